@@ -1,0 +1,110 @@
+"""Capture: turns a hook firing into a keyed record on the transport, or into nothing.
+
+It owns the step context (phase, iteration, microbatch, attempt) that the training integration
+sets from the running schedule, applies the selection (iteration, layer, output), and decides
+what a firing inside activation recomputation means (a replay: rejected, or kept as invocation 1).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.records import ParallelCoords, RecordKey, dtype_name
+from megatron.core.dmi.transport.base import Transport
+
+
+def inside_backward() -> bool:
+    """True while autograd runs a backward pass: the signature of a recompute replay.
+
+    "Grad enabled" is no test: full recompute runs the original forward without grad.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one rank's record sits in the full tensor (see RecordKey)."""
+
+    token_start: int
+    token_end: int
+    token_total: int
+    shard_index: int = 0
+    shard_count: int = 1
+
+
+@dataclass
+class StepContext:
+    phase: str = "train"
+    iteration: int = 0
+    microbatch: int = 0
+    active: bool = False  # host gate: is this step captured at all
+
+
+@dataclass
+class CaptureStats:
+    replays_rejected: int = 0
+    replays_recorded: int = 0
+    dropped_keys: list[RecordKey] = field(default_factory=list)
+
+
+class Capture:
+    def __init__(self, config: DMIConfig, transport: Transport, run_id: str, attempt: int):
+        self.config = config
+        self.transport = transport
+        self.run_id = run_id
+        self.attempt = attempt
+        self.step = StepContext()
+        self.stats = CaptureStats()
+        # Originals awaiting their replay, per (layer, output, vpp): backward replays a chunk's
+        # microbatches in the order their forwards ran, so a FIFO recovers the replay's microbatch.
+        self._awaiting_replay: dict[tuple, collections.deque[int]] = collections.defaultdict(collections.deque)
+
+    def begin_step(self, phase: str, iteration: int) -> None:
+        self.step = StepContext(phase, iteration, 0, self.config.captures_iteration(phase, iteration))
+        self._awaiting_replay.clear()
+
+    def set_microbatch(self, microbatch: int) -> None:
+        self.step.microbatch = microbatch
+
+    def wants(self, output: str, layer: int) -> bool:
+        return self.step.active and output in self.config.hooks and self.config.captures_layer(layer)
+
+    def publish(self, output: str, layer: int, coords: ParallelCoords, tensor: torch.Tensor, where: Placement) -> bool:
+        replay_queue = self._awaiting_replay[(layer, output, coords.vpp)]
+        microbatch, invocation = self.step.microbatch, 0
+        if inside_backward():
+            if not self.config.record_replays:
+                self.stats.replays_rejected += 1
+                return False
+            if not replay_queue:
+                raise RuntimeError(f"DMI: replay of {output} layer {layer} without a recorded original forward")
+            microbatch, invocation = replay_queue.popleft(), 1
+            self.stats.replays_recorded += 1
+        elif self.config.record_replays:
+            replay_queue.append(microbatch)
+        key = RecordKey(
+            run_id=self.run_id,
+            phase=self.step.phase,
+            iteration=self.step.iteration,
+            attempt=self.attempt,
+            microbatch=microbatch,
+            invocation=invocation,
+            layer=layer,
+            output=output,
+            coords=coords,
+            shard_index=where.shard_index,
+            shard_count=where.shard_count,
+            token_start=where.token_start,
+            token_end=where.token_end,
+            token_total=where.token_total,
+            dtype=dtype_name(tensor.dtype),
+            shape=tuple(tensor.shape),
+        )
+        if self.transport.publish(key, tensor):
+            return True
+        self.stats.dropped_keys.append(key)
+        return False

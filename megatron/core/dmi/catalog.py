@@ -1,0 +1,117 @@
+"""The hook catalog: the single source of truth for what DMI can capture.
+
+Each output names its group, its shape as a function of the model config (local to one rank), its
+dtype rule, and how shards of one full tensor are laid out across ranks. Argument parsing, the
+hooks, the record counts, the reader's reconstruction and docs/hooks.md all derive from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Combine = Literal["concat", "sum"]
+
+
+@dataclass(frozen=True)
+class HookOutput:
+    name: str
+    group: str
+    shape: str  # human-readable local shape
+    dtype: str  # human-readable dtype rule
+    doc: str
+    # How the records of one (iteration, microbatch, layer, output) combine into the full tensor:
+    # "concat" places each record at [token_start, token_end) along dim 0 and at shard_index along
+    # shard_dim; "sum" adds records (counts taken over disjoint token shards).
+    combine: Combine = "concat"
+    shard_dim: int | None = None
+    opt_in: bool = False  # captured only when named explicitly (or with "all")
+
+
+OUTPUTS: tuple[HookOutput, ...] = (
+    HookOutput(
+        "router.logits", "router", "[tokens, E]", "router dtype",
+        "Raw gating logits of every token for every expert, before top-k and capacity dropping.",
+    ),
+    HookOutput(
+        "router.topk_ids", "router", "[tokens, k]", "int32",
+        "Chosen experts per token, ordered by routing probability (ties: lower id first). A slot "
+        "dropped by the capacity factor holds the sentinel E (the number of experts).",
+    ),
+    HookOutput(
+        "router.topk_probs", "router", "[tokens, k]", "router dtype",
+        "Routing weight of each slot of router.topk_ids; 0 for a dropped slot.",
+    ),
+    HookOutput(
+        "router.expert_counts", "router", "[2, E]", "int32",
+        "Tokens routed to each expert: row 0 before capacity dropping, row 1 after. Token shards sum.",
+        combine="sum",
+    ),
+    HookOutput(
+        "attn.context", "attn", "[s, b, heads_local * d]", "model dtype",
+        "Core-attention output before the output projection. Tensor parallelism shards the last dim "
+        "by heads.",
+        shard_dim=-1,
+    ),
+    HookOutput(
+        "attn.q", "attn", "[s, b, heads_local, d]", "model dtype",
+        "Query after rotary embedding (opt-in). With attn.k it rebuilds any head's attention pattern.",
+        shard_dim=2, opt_in=True,
+    ),
+    HookOutput(
+        "attn.k", "attn", "[s, b, groups_local, d]", "model dtype",
+        "Key after rotary embedding (opt-in); one head per query group under GQA.",
+        shard_dim=2, opt_in=True,
+    ),
+)
+
+BY_NAME: dict[str, HookOutput] = {o.name: o for o in OUTPUTS}
+GROUPS: dict[str, tuple[str, ...]] = {}
+for _o in OUTPUTS:
+    GROUPS.setdefault(_o.group, ())
+    if not _o.opt_in:
+        GROUPS[_o.group] += (_o.name,)
+
+
+class HookSelectionError(ValueError):
+    pass
+
+
+def parse_hooks(spec: str) -> frozenset[str]:
+    """Resolve ``router,attn.q`` style lists into output names; ``all`` and ``none`` work too."""
+    selected: set[str] = set()
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            raise HookSelectionError(f"empty item in hook list {spec!r}")
+        if item == "none":
+            continue
+        if item == "all":
+            selected.update(BY_NAME)
+        elif item in GROUPS:
+            selected.update(GROUPS[item])
+        elif item in BY_NAME:
+            selected.add(item)
+        else:
+            known = ", ".join(["all", "none", *GROUPS, *BY_NAME])
+            raise HookSelectionError(f"unknown hook {item!r} (known: {known})")
+    return frozenset(selected)
+
+
+def outputs_of_group(group: str, selected: frozenset[str]) -> list[str]:
+    return [o.name for o in OUTPUTS if o.group == group and o.name in selected]
+
+
+def markdown_table() -> str:
+    """The catalog as the markdown table in docs/hooks.md (a test keeps the doc in sync)."""
+    lines = [
+        "| output | group | local shape | dtype | shards combine by | opt-in | meaning |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for o in OUTPUTS:
+        how = "sum over token shards" if o.combine == "sum" else (
+            "token range on dim 0" + (f", shard index on dim {o.shard_dim}" if o.shard_dim is not None else "")
+        )
+        lines.append(
+            f"| `{o.name}` | `{o.group}` | {o.shape} | {o.dtype} | {how} | {'yes' if o.opt_in else 'no'} | {o.doc} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""The record: one captured tensor plus the key that says exactly where it came from.
+
+This is the contract between every stage of the pipeline (hooks -> transport -> drain -> sinks ->
+reader). A record's key is explicit and complete; nothing downstream ever pairs data by arrival
+order. Payloads are the tensor's raw little-endian bytes in C order, so every dtype (bf16 included)
+round-trips bitwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+PHASES = ("train", "valid")
+
+# dtype <-> name used in every table and file. Only these are captured.
+DTYPE_BY_NAME: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+NAME_BY_DTYPE = {v: k for k, v in DTYPE_BY_NAME.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return NAME_BY_DTYPE[dtype]
+    except KeyError:
+        raise TypeError(f"DMI cannot capture tensors of dtype {dtype}") from None
+
+
+@dataclass(frozen=True)
+class ParallelCoords:
+    """Where the producing rank sits in every parallel dimension (global rank plus group ranks)."""
+
+    rank: int = 0
+    tp: int = 0
+    pp: int = 0
+    vpp: int = 0
+    dp: int = 0
+    cp: int = 0
+    ep: int = 0
+    etp: int = 0
+
+
+@dataclass(frozen=True)
+class RecordKey:
+    """Everything that identifies one captured tensor.
+
+    ``layer`` is the global 0-based transformer layer. ``token_start``/``token_end`` index dim 0 of
+    the *full* tensor (tokens for router outputs, sequence positions for attention outputs) and
+    ``token_total`` is that full length; ``shard_index``/``shard_count`` split the catalog's shard
+    dimension (e.g. attention heads under tensor parallelism).
+    """
+
+    run_id: str
+    phase: str
+    iteration: int
+    attempt: int
+    microbatch: int
+    invocation: int
+    layer: int
+    output: str
+    coords: ParallelCoords
+    shard_index: int
+    shard_count: int
+    token_start: int
+    token_end: int
+    token_total: int
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return n * torch.empty((), dtype=DTYPE_BY_NAME[self.dtype]).element_size()
+
+    def flat(self) -> dict:
+        """Column values for the tables (coords flattened into their own columns)."""
+        row = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "coords"}
+        row.update(dataclasses.asdict(self.coords))
+        row["shape"] = list(self.shape)
+        return row
+
+    @classmethod
+    def from_flat(cls, row: dict) -> "RecordKey":
+        coords = ParallelCoords(**{f.name: int(row[f.name]) for f in dataclasses.fields(ParallelCoords)})
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "coords":
+                continue
+            v = row[f.name]
+            kwargs[f.name] = tuple(int(x) for x in v) if f.name == "shape" else v
+        return cls(coords=coords, **kwargs)
+
+
+@dataclass
+class Record:
+    """A key and its payload bytes (host memory, owned by the record)."""
+
+    key: RecordKey
+    payload: bytes
+
+    def tensor(self) -> torch.Tensor:
+        return payload_to_tensor(self.payload, self.key.dtype, self.key.shape)
+
+    @property
+    def checksum(self) -> int:
+        return zlib.crc32(self.payload)
+
+
+def tensor_to_payload(t: torch.Tensor) -> bytes:
+    """Raw bytes of a host tensor (C order, native little-endian)."""
+    t = t.detach().contiguous()
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def payload_to_tensor(payload: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    torch_dtype = DTYPE_BY_NAME[dtype]
+    if len(payload) == 0:
+        return torch.empty(tuple(shape), dtype=torch_dtype)
+    flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return flat.view(torch_dtype).reshape(tuple(shape))
+
+
+# Arrow schema of the tensor table: shared by spool files, the chDB store and the server store.
+KEY_COLUMNS: list[tuple[str, pa.DataType]] = [
+    ("run_id", pa.string()),
+    ("phase", pa.string()),
+    ("iteration", pa.int64()),
+    ("attempt", pa.int32()),
+    ("microbatch", pa.int32()),
+    ("invocation", pa.int8()),
+    ("layer", pa.int32()),
+    ("output", pa.string()),
+    ("rank", pa.int32()),
+    ("tp", pa.int32()),
+    ("pp", pa.int32()),
+    ("vpp", pa.int32()),
+    ("dp", pa.int32()),
+    ("cp", pa.int32()),
+    ("ep", pa.int32()),
+    ("etp", pa.int32()),
+    ("shard_index", pa.int32()),
+    ("shard_count", pa.int32()),
+    ("token_start", pa.int64()),
+    ("token_end", pa.int64()),
+    ("token_total", pa.int64()),
+    ("dtype", pa.string()),
+    ("shape", pa.list_(pa.int64())),
+]
+TENSOR_SCHEMA = pa.schema(KEY_COLUMNS + [("nbytes", pa.int64()), ("checksum", pa.uint32()), ("payload", pa.large_binary())])
+
+
+def records_to_table(records: Sequence[Record]) -> pa.Table:
+    """Columnar batch of records, the unit every sink and spool file deals in."""
+    cols: dict[str, list] = {name: [] for name in TENSOR_SCHEMA.names}
+    for r in records:
+        for k, v in r.key.flat().items():
+            cols[k].append(v)
+        cols["nbytes"].append(len(r.payload))
+        cols["checksum"].append(r.checksum)
+        cols["payload"].append(r.payload)
+    return pa.Table.from_pydict(cols, schema=TENSOR_SCHEMA)
+
+
+def table_to_records(table: pa.Table) -> list[Record]:
+    out = []
+    for row in table.to_pylist():
+        payload = row.pop("payload")
+        out.append(Record(RecordKey.from_flat(row), bytes(payload)))
+    return out

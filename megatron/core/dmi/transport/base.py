@@ -1,0 +1,74 @@
+"""Transport contract: the training thread publishes tensors, the drain thread takes records.
+
+A transport owns a fixed-size payload ring (device memory for CUDA tensors, host memory for CPU
+tensors) and a descriptor queue. ``publish`` copies the tensor into a reserved slot on the current
+stream and enqueues the record key with it; it never blocks on the device. ``take`` returns
+finished records in publish order together with their host bytes and frees their ring space.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from megatron.core.dmi.records import Record, RecordKey
+
+OnFull = Literal["block", "drop"]
+SLOT_ALIGN = 256  # bytes; keeps every slot aligned for vectorised producer copies
+
+
+class RingTooSmallError(ValueError):
+    """A single record can never fit in the ring."""
+
+
+@dataclass
+class TransportStats:
+    published: int = 0
+    published_bytes: int = 0
+    dropped: int = 0
+    dropped_bytes: int = 0
+    rejected: int = 0  # occurrences refused by the gate (not captured, not counted as drops)
+    drained: int = 0
+    drained_bytes: int = 0
+    blocked_seconds: float = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        return self.published - self.drained
+
+
+class Transport(ABC):
+    name: str
+
+    def __init__(self, ring_bytes: int, on_full: OnFull, device: torch.device):
+        if ring_bytes < SLOT_ALIGN:
+            raise RingTooSmallError(f"ring of {ring_bytes} bytes is smaller than one slot ({SLOT_ALIGN} bytes)")
+        self.ring_bytes = ring_bytes
+        self.on_full = on_full
+        self.device = device
+        self.stats = TransportStats()
+
+    def check_fits(self, nbytes: int) -> None:
+        if nbytes > self.ring_bytes:
+            raise RingTooSmallError(
+                f"a record of {nbytes} bytes does not fit the {self.ring_bytes}-byte ring; raise --dmi-ring-mb"
+            )
+
+    @abstractmethod
+    def publish(self, key: RecordKey, tensor: torch.Tensor) -> bool:
+        """Copy ``tensor`` into the ring under ``key``. False if dropped (on_full='drop')."""
+
+    @abstractmethod
+    def take(self, max_records: int, timeout: float) -> list[Record]:
+        """Finished records in publish order (at most ``max_records``), waiting up to ``timeout``
+        seconds for the first one. Frees their ring space."""
+
+    @abstractmethod
+    def pending(self) -> int:
+        """Records published but not yet taken."""
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,142 @@
+"""The --dmi-* argument group and its translation into a DMIConfig.
+
+Every value is checked by its argparse ``type``, so bad input fails while Megatron parses its
+arguments (before any process group or model exists) with one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import urllib.parse
+
+from megatron.core.dmi.catalog import HookSelectionError, parse_hooks
+from megatron.core.dmi.config import DMIConfig, LayerRangeError, parse_layers
+from megatron.core.dmi.records import PHASES
+from megatron.core.dmi.transport.base import SLOT_ALIGN
+
+PASSWORD_ENV = "DMI_CLICKHOUSE_PASSWORD"
+
+
+def _hooks(value: str) -> frozenset[str]:
+    try:
+        return parse_hooks(value)
+    except HookSelectionError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _layers(value: str) -> frozenset[int] | None:
+    try:
+        return parse_layers(value)
+    except LayerRangeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def _ring_mb(value: str) -> float:
+    try:
+        mb = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size in MiB, got {value!r}") from None
+    if not mb * (1 << 20) >= SLOT_ALIGN or mb != mb or mb == float("inf"):
+        raise argparse.ArgumentTypeError(f"ring size must hold at least one {SLOT_ALIGN}-byte slot, got {value!r} MiB")
+    return mb
+
+
+def _phases(value: str) -> frozenset[str]:
+    phases = frozenset(p.strip() for p in value.split(","))
+    unknown = phases - set(PHASES)
+    if unknown or not phases:
+        raise argparse.ArgumentTypeError(f"unknown phase(s) {sorted(unknown)} in {value!r} (known: {', '.join(PHASES)})")
+    return phases
+
+
+def _clickhouse_url(value: str) -> str:
+    url = urllib.parse.urlsplit(value)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise argparse.ArgumentTypeError(f"expected http(s)://host:port, got {value!r}")
+    if url.password is not None:
+        raise argparse.ArgumentTypeError(
+            f"put the password in ${PASSWORD_ENV} or --dmi-clickhouse-password-file, not in the URL"
+        )
+    try:
+        url.port
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad port in {value!r}") from None
+    return value
+
+
+def _run_id(value: str) -> str:
+    if not value or len(value) > 128 or not all(c.isalnum() or c in "-_." for c in value):
+        raise argparse.ArgumentTypeError(f"run id must be 1-128 letters, digits, '-', '_' or '.', got {value!r}")
+    return value
+
+
+def add_dmi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("dmi", "Deep Model Inspection: capture model internals while training")
+    g.add_argument("--dmi-hooks", type=_hooks, default=frozenset(),
+                   help="comma list of hook groups or outputs (router, attn, router.logits, attn.q, ..., all, none); "
+                        "default none: DMI is off")
+    g.add_argument("--dmi-persist", choices=("clickhouse", "spool", "none"), default="clickhouse",
+                   help="clickhouse: embedded chDB under --dmi-store-dir, or a server with --dmi-clickhouse-url; "
+                        "spool: local Parquet files only; none: capture and transport, store nothing")
+    g.add_argument("--dmi-store-dir", default=None,
+                   help="store and spool directory (default: <--save>/dmi_store, else ./dmi_store)")
+    g.add_argument("--dmi-clickhouse-url", type=_clickhouse_url, default=None,
+                   help=f"ClickHouse server http(s)://host:port (password from ${PASSWORD_ENV} or the file flag)")
+    g.add_argument("--dmi-clickhouse-database", default="dmi", help="database on the ClickHouse server")
+    g.add_argument("--dmi-clickhouse-password-file", default=None, help="file holding the ClickHouse password")
+    g.add_argument("--dmi-interval", type=_positive_int, default=1, help="capture every N-th iteration")
+    g.add_argument("--dmi-start-iter", type=_positive_int, default=1, help="first captured iteration (1-based)")
+    g.add_argument("--dmi-end-iter", type=_positive_int, default=None, help="last captured iteration")
+    g.add_argument("--dmi-layers", type=_layers, default=None, help="global 0-based layers, e.g. 0,4-7 (default all)")
+    g.add_argument("--dmi-phases", type=_phases, default=frozenset({"train"}), help="phases captured: train,valid")
+    g.add_argument("--dmi-ring-mb", type=_ring_mb, default=64.0, help="payload ring size per process in MiB")
+    g.add_argument("--dmi-on-full", choices=("block", "drop"), default="block",
+                   help="ring full: block the producer until space frees, or drop (counted, logged, stored)")
+    g.add_argument("--dmi-transport", choices=("auto", "native", "torch"), default="auto",
+                   help="native: JIT-built ring kernels; torch: pure-PyTorch ring; auto: native if it builds")
+    g.add_argument("--dmi-record-replays", action="store_true",
+                   help="keep activation-recompute replays as invocation 1 instead of rejecting them")
+    g.add_argument("--dmi-run-id", type=_run_id, default=None, help="run id (default: generated; kept on resume)")
+    return parser
+
+
+def read_password(args: argparse.Namespace) -> str | None:
+    if args.dmi_clickhouse_password_file:
+        with open(args.dmi_clickhouse_password_file, encoding="utf-8") as f:
+            return f.read().strip()
+    return os.environ.get(PASSWORD_ENV)
+
+
+def config_from_args(args: argparse.Namespace) -> DMIConfig:
+    store_dir = args.dmi_store_dir or (os.path.join(args.save, "dmi_store") if getattr(args, "save", None) else "dmi_store")
+    if args.dmi_end_iter is not None and args.dmi_end_iter < args.dmi_start_iter:
+        raise SystemExit(f"error: argument --dmi-end-iter: {args.dmi_end_iter} is before --dmi-start-iter {args.dmi_start_iter}")
+    return DMIConfig(
+        hooks=args.dmi_hooks,
+        persist=args.dmi_persist,
+        store_dir=store_dir,
+        clickhouse_url=args.dmi_clickhouse_url,
+        clickhouse_database=args.dmi_clickhouse_database,
+        clickhouse_password=read_password(args) if args.dmi_clickhouse_url else None,
+        interval=args.dmi_interval,
+        start_iter=args.dmi_start_iter,
+        end_iter=args.dmi_end_iter,
+        layers=args.dmi_layers,
+        phases=args.dmi_phases,
+        ring_mb=args.dmi_ring_mb,
+        on_full=args.dmi_on_full,
+        transport=args.dmi_transport,
+        record_replays=args.dmi_record_replays,
+        run_id=args.dmi_run_id,
+    )

@@ -1,0 +1,134 @@
+"""CPU development mode: the compatibility shim that lets megatron-core 0.17.1 train on a CPU.
+
+Active only when ``--cpu-dev-mode`` is given to pretrain_gpt.py, or when tests call ``enable()``;
+never otherwise. megatron-core assumes CUDA in a handful of places, and each patch below answers
+exactly one of them:
+
+* ``device='cuda'`` literals, ``Tensor.cuda()`` and ``torch.cuda.current_device()`` as a device:
+  a TorchFunctionMode maps every CUDA device argument to the CPU;
+* ``torch.cuda.is_available`` (asserted during initialisation) reports True while
+  ``device_count`` stays 0, so no CUDA device is ever selected;
+* the CUDA RNG state helpers of megatron's tensor-parallel RNG tracker use the CPU generator;
+* CUDA streams and events become no-ops;
+* the JIT warm-up (CUDA fusions) is skipped and torch.compile'd fusions run eagerly.
+
+Gradient clipping (asserts CUDA tensors) and data-loader workers cannot be shimmed cheaply, so the
+entry script adds ``--clip-grad 0 --num-workers 0`` unless the user chose values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_enabled = False
+_CPU = torch.device("cpu")
+
+
+def _is_cuda(dev) -> bool:
+    if isinstance(dev, torch.device):
+        return dev.type == "cuda"
+    if isinstance(dev, str):
+        return dev.startswith("cuda")
+    return False
+
+
+class _CudaToCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and (_is_cuda(kwargs["device"]) or isinstance(kwargs["device"], int)):
+            kwargs["device"] = _CPU
+        if func in (torch.Tensor.to,) and len(args) > 1 and (_is_cuda(args[1]) or isinstance(args[1], int)):
+            args = (args[0], _CPU, *args[2:])
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        kwargs.pop("pin_memory", None)
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    def __init__(self, *a, **k):
+        pass
+
+    def wait_stream(self, *a, **k):
+        pass
+
+    def wait_event(self, *a, **k):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def is_capturing(self):
+        return False
+
+    def record_event(self, event=None):
+        return event or _NullEvent()
+
+
+class _NullEvent(_NullStream):
+    def record(self, *a, **k):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def enable() -> None:
+    """Install the shim in this process (idempotent). There is no disable: use a fresh process."""
+    global _enabled
+    if _enabled:
+        return
+    _enabled = True
+    cuda = torch.cuda
+    cuda.is_available = lambda: True
+    cuda.device_count = lambda: 1  # initialisation sets up model-parallel groups only when > 0
+    cuda.current_device = lambda: _CPU
+    cuda.set_device = lambda *a, **k: None
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it after seeding the CPU
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.current_stream = lambda *a, **k: _NullStream()
+    cuda.default_stream = lambda *a, **k: _NullStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.set_stream = lambda *a, **k: None
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_reserved = lambda *a, **k: 0
+    cuda.max_memory_reserved = lambda *a, **k: 0
+    cuda.reset_peak_memory_stats = lambda *a, **k: None
+    cuda.is_current_stream_capturing = lambda: False
+    torch.accelerator.current_stream = lambda *a, **k: _NullStream()  # optimizers ask it
+    # megatron's jit_fuser is torch.compile: on a CPU it only costs compile time for tiny models.
+    torch._dynamo.config.disable = True
+
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    tp_random._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
+
+    # The tracker's "GPU" states are CPU generator states here, so its CPU-state check always fires.
+    logging.getLogger(tp_random.__name__).setLevel(logging.ERROR)
+
+    import megatron.training.initialize as mt_init
+
+    mt_init._warmup_jit_function = lambda: None
+
+    _CudaToCpu().__enter__()
+
+
+def enabled() -> bool:
+    return _enabled

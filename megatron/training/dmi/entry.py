@@ -1,0 +1,98 @@
+"""What pretrain_gpt.py needs from DMI: process preparation, the argument provider and the
+forward-step wrapper that activates DMI inside ``megatron.training.pretrain``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Callable
+
+import torch
+
+CPU_DEV_FLAG = "--cpu-dev-mode"
+# Flags the CPU mode needs because megatron-core cannot honour them on a CPU (see cpu_mode.py).
+CPU_REQUIRED_FLAGS = {"--clip-grad": "0", "--num-workers": "0", "--distributed-backend": "gloo"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _use_prebuilt_dataset_helpers() -> None:
+    """The megatron-core wheel ships helpers_cpp prebuilt but no Makefile, so upstream's
+    compile_helpers() (which runs make) fails. When the module imports, building is unnecessary."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # a source checkout with a Makefile: keep upstream's build step
+    dataset_utils.compile_helpers = lambda: None
+
+
+def prepare_process(argv: list[str]) -> None:
+    """Run before megatron.training initialises: wheel gaps, and the CPU development mode."""
+    _use_prebuilt_dataset_helpers()
+    if CPU_DEV_FLAG in argv:
+        from megatron.training.dmi import cpu_mode
+
+        for flag, value in CPU_REQUIRED_FLAGS.items():
+            if flag not in argv:
+                argv += [flag, value]
+        # A plain `python pretrain_gpt.py` is a world of one (torchrun sets these itself); NCCL_ALGO only
+        # satisfies --deterministic-mode's check, gloo ignores it.
+        for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("NCCL_ALGO", "Ring")):
+            os.environ.setdefault(var, value)
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        cpu_mode.enable()
+    elif not torch.cuda.is_available():
+        sys.exit(
+            "error: no CUDA GPU is visible. Megatron trains on GPUs; to try DMI on this machine with a "
+            f"tiny model, add {CPU_DEV_FLAG} (see README.md)."
+        )
+
+
+def compute_device() -> torch.device:
+    from megatron.training.dmi import cpu_mode
+
+    return torch.device("cpu") if cpu_mode.enabled() else torch.device("cuda", torch.cuda.current_device())
+
+
+def extra_args_provider(chain: Callable | None = None) -> Callable:
+    """Adds the DMI group (and the entry script's own flags) and then any other provider."""
+
+    def provider(parser):
+        from megatron.training.dmi.arguments import add_dmi_args
+
+        add_dmi_args(parser)
+        parser.add_argument_group("entry").add_argument(
+            CPU_DEV_FLAG, action="store_true", help="run on the CPU (tiny models; gloo; for trying DMI and for CI)"
+        )
+        return chain(parser) if chain is not None else parser
+
+    return provider
+
+
+def dmi_forward_step(forward_step: Callable) -> Callable:
+    """Wrap the user's forward step: DMI activates on its first call (model built, process groups
+    up) and takes the step context (phase, iteration, microbatch) from every call."""
+    state = {"runtime": None, "checked": False}
+
+    def wrapped(data_iterator, model, *args, **kwargs):
+        if not state["checked"]:
+            state["checked"] = True
+            from megatron.training import get_args
+
+            if get_args().dmi_hooks:  # with no DMI flag, nothing of DMI is imported or installed
+                from megatron.training.dmi.runtime import DMIRuntime
+
+                state["runtime"] = DMIRuntime.start()
+        if state["runtime"] is not None:
+            state["runtime"].before_forward(model)
+        return forward_step(data_iterator, model, *args, **kwargs)
+
+    wrapped.__wrapped__ = forward_step
+    return wrapped

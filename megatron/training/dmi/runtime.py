@@ -1,0 +1,231 @@
+"""DMIRuntime: DMI's life inside one training process.
+
+Created on the first forward step (model built, process groups up), it owns the transport, the
+drain, the sink and the hooks; takes the step context from the schedule; flushes and saves its
+state with every checkpoint; prints DMI's line at each log interval; and closes everything at the
+end with an end-of-run report.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+import uuid
+from importlib import metadata
+
+import torch
+
+import megatron.training.training as mt_training
+from megatron.training import get_args, print_rank_0
+
+from megatron.core.dmi import __version__ as dmi_version
+from megatron.core.dmi.capture import Capture
+from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.drain import Drain
+from megatron.core.dmi.hooks.install import HookSet, rank_coords
+from megatron.core.dmi.sinks import RunInfo, open_sink
+from megatron.core.dmi.sinks.base import SinkReport
+from megatron.core.dmi.transport import open_transport
+from megatron.training.dmi.arguments import config_from_args
+from megatron.training.dmi.entry import compute_device
+
+STATE_FILE = "dmi_state_iter_{:07d}.json"
+
+
+def _dist() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _broadcast(obj):
+    if not _dist() or torch.distributed.get_world_size() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _allocate_attempt(store_dir: str, run_id: str) -> int:
+    """Attempts are numbered by exclusive creation of a marker file, so a crashed attempt that never
+    saved a checkpoint still owns its number and its records stay distinguishable."""
+    folder = os.path.join(store_dir, "attempts", run_id)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    attempt = 0
+    while True:
+        try:
+            os.close(os.open(os.path.join(folder, str(attempt)), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return attempt
+        except FileExistsError:
+            attempt += 1
+
+
+class DMIRuntime:
+    _instance: "DMIRuntime | None" = None
+
+    @classmethod
+    def start(cls) -> "DMIRuntime":
+        if cls._instance is None:
+            cls._instance = cls(config_from_args(get_args()))
+        return cls._instance
+
+    @classmethod
+    def shutdown(cls) -> None:
+        if cls._instance is not None:
+            cls._instance.close()
+            cls._instance = None
+
+    def __init__(self, config: DMIConfig):
+        args = get_args()
+        self.config = config
+        self.args = args
+        resumed_from = args.iteration if (args.load and args.iteration) else 0
+        run_id, attempt = None, None
+        if not _dist() or torch.distributed.get_rank() == 0:
+            run_id = config.run_id or self._resumed_run_id(resumed_from) or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+            attempt = _allocate_attempt(config.store_dir, run_id)
+        self.run_id, self.attempt = _broadcast((run_id, attempt))
+        self.resumed_from = resumed_from
+        self.coords = rank_coords()
+        self.transport = open_transport(config, compute_device())
+        self.sink = open_sink(config, self.coords, self.run_id, is_ingester=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+        self.capture = Capture(config, self.transport, self.run_id, self.attempt)
+        self.hooks = HookSet(self.capture)
+        self.drain = Drain(self.transport, self.sink, batch_records=config.flush_records)
+        self._chunks_seen: set[int] = set()
+        self._step: tuple[str, int] | None = None
+        self._microbatch: dict[int, int] = {}
+        self._drops_written = 0
+        self._patch_training_loop()
+        atexit.register(DMIRuntime.shutdown)
+        print_rank_0(
+            f"DMI: run {self.run_id} attempt {self.attempt} capturing {', '.join(sorted(config.hooks))} "
+            f"via {self.transport.name} transport into {config.persist} ({config.clickhouse_url or config.store_dir})"
+        )
+
+    def _resumed_run_id(self, iteration: int) -> str | None:
+        if not iteration:
+            return None
+        path = os.path.join(self.args.load, STATE_FILE.format(iteration))
+        if not os.path.exists(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)["run_id"]
+
+    def _write_run_info(self) -> None:
+        versions = {"torch": torch.__version__, "megatron-core": metadata.version("megatron-core"), "megatron-dmi": dmi_version}
+        config = {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in vars(self.config).items() if k != "clickhouse_password"}
+        self.sink.write_run(
+            RunInfo(
+                run_id=self.run_id,
+                attempt=self.attempt,
+                resumed_from_iteration=self.resumed_from,
+                config=config,
+                versions=versions,
+                coords=self.coords,
+                layers=sorted(self.hooks.layers),
+            )
+        )
+
+    # -- the training loop ------------------------------------------------------------------
+    def before_forward(self, model: torch.nn.Module) -> None:
+        chunk = _unwrap(model)
+        chunk_id = id(chunk)
+        if chunk_id not in self._chunks_seen:
+            self._chunks_seen.add(chunk_id)
+            vpp = getattr(chunk, "vp_stage", None) or 0
+            self.hooks.attach(chunk, vpp)
+            self._write_run_info()
+        step = ("train" if model.training else "valid", self.args.curr_iteration + 1)
+        if step != self._step:
+            self._step = step
+            self._microbatch.clear()
+            self.capture.begin_step(*step)
+            self._write_new_drops()
+        microbatch = self._microbatch.get(chunk_id, 0)
+        self._microbatch[chunk_id] = microbatch + 1
+        self.capture.set_microbatch(microbatch)
+
+    def _write_new_drops(self) -> None:
+        keys = self.capture.stats.dropped_keys
+        if len(keys) > self._drops_written:
+            self.sink.write_drops(keys[self._drops_written :], reason="ring full (--dmi-on-full drop)")
+            self._drops_written = len(keys)
+
+    def flush(self) -> None:
+        self._write_new_drops()
+        self.drain.flush()
+
+    def status_line(self) -> str:
+        t = self.transport.stats
+        return (
+            f" DMI | captured: {t.published} records {t.published_bytes / 2**20:.1f} MiB |"
+            f" dropped: {t.dropped} | drain lag: {self.drain.lag_records} records |"
+            f" persisted: {self.drain.records_persisted} records |"
+            f" replays rejected: {self.capture.stats.replays_rejected} |"
+        )
+
+    def _patch_training_loop(self) -> None:
+        """Checkpoint saves flush DMI and store its state; the log interval prints DMI's line."""
+        save, log = mt_training.save_checkpoint, mt_training.training_log
+        runtime = self
+
+        def save_checkpoint(iteration, *args, **kwargs):
+            runtime.flush()
+            out = save(iteration, *args, **kwargs)
+            save_dir = runtime.args.save
+            if save_dir and (not _dist() or torch.distributed.get_rank() == 0):
+                state = {"run_id": runtime.run_id, "attempt": runtime.attempt, "iteration": iteration}
+                tmp = os.path.join(save_dir, STATE_FILE.format(iteration) + ".tmp")
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(state, f)
+                os.replace(tmp, os.path.join(save_dir, STATE_FILE.format(iteration)))
+            return out
+
+        def training_log(*args, **kwargs):
+            out = log(*args, **kwargs)
+            iteration = runtime.args.curr_iteration + 1
+            last_rank = not _dist() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+            if last_rank and iteration % runtime.args.log_interval == 0:
+                print(runtime.status_line(), flush=True)
+            return out
+
+        mt_training.save_checkpoint = save_checkpoint
+        mt_training.training_log = training_log
+        self._restore = (save, log)
+
+    # -- the end ----------------------------------------------------------------------------
+    def close(self) -> None:
+        mt_training.save_checkpoint, mt_training.training_log = self._restore
+        self.flush()
+        self.drain.close()
+        self.hooks.remove()
+        self.transport.close()
+        ingester = getattr(self.sink, "is_ingester", False)
+        report = None if ingester else self.sink.close()
+        if _dist() and torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()  # every rank's spool is complete before the final ingest
+        if ingester:
+            report = self.sink.close()
+        self._print_report(report)
+
+    def _print_report(self, report: SinkReport) -> None:
+        t = self.transport.stats
+        line = (
+            f"rank {self.coords.rank}: captured {t.published} records ({t.published_bytes} B), "
+            f"written {report.records_written} ({report.bytes_written} B), spooled {report.records_spooled}, "
+            f"dropped {t.dropped + report.records_dropped}, replays rejected {self.capture.stats.replays_rejected}"
+            + (f", errors: {'; '.join(report.errors)}" if report.errors else "")
+        )
+        lines = [line]
+        if _dist() and torch.distributed.get_world_size() > 1:
+            gathered = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, line)
+            lines = gathered
+        print_rank_0("DMI end-of-run report (run {} attempt {}):\n  {}".format(self.run_id, self.attempt, "\n  ".join(lines)))
