@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 import urllib.parse
+import urllib.request
 
-from megatron.core.dmi.catalog import HookSelectionError, parse_hooks
+from megatron.core.dmi.catalog import HookSelectionError, ModelShape, parse_hooks, record_bytes
 from megatron.core.dmi.config import DMIConfig, LayerRangeError, parse_layers
 from megatron.core.dmi.records import PHASES
 from megatron.core.dmi.transport.base import SLOT_ALIGN
@@ -121,7 +122,7 @@ def read_password(args: argparse.Namespace) -> str | None:
 def config_from_args(args: argparse.Namespace) -> DMIConfig:
     store_dir = args.dmi_store_dir or (os.path.join(args.save, "dmi_store") if getattr(args, "save", None) else "dmi_store")
     if args.dmi_end_iter is not None and args.dmi_end_iter < args.dmi_start_iter:
-        raise SystemExit(f"error: argument --dmi-end-iter: {args.dmi_end_iter} is before --dmi-start-iter {args.dmi_start_iter}")
+        _fail("--dmi-end-iter", f"{args.dmi_end_iter} is before --dmi-start-iter {args.dmi_start_iter}")
     return DMIConfig(
         hooks=args.dmi_hooks,
         persist=args.dmi_persist,
@@ -140,3 +141,65 @@ def config_from_args(args: argparse.Namespace) -> DMIConfig:
         record_replays=args.dmi_record_replays,
         run_id=args.dmi_run_id,
     )
+
+
+def _fail(flag: str, message: str) -> None:
+    raise SystemExit(f"error: argument {flag}: {message}")
+
+
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    heads = args.num_attention_heads
+    itemsize = 2 if (args.bf16 or args.fp16) else 4
+    return ModelShape(
+        seq_length=args.seq_length,
+        micro_batch=args.micro_batch_size,
+        num_experts=args.num_experts or 0,
+        topk=args.moe_router_topk,
+        heads=heads,
+        query_groups=args.num_query_groups if args.group_query_attention else heads,
+        head_dim=args.kv_channels or args.hidden_size // heads,
+        tp=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        router_itemsize={"fp32": 4, "fp64": 8}.get(args.moe_router_dtype, itemsize),
+        model_itemsize=itemsize,
+    )
+
+
+def _ping(url: str) -> str | None:
+    """None if the server answers /ping, else why not."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/ping", timeout=5) as r:
+            return None if r.status == 200 else f"HTTP {r.status}"
+    except (OSError, ValueError) as exc:
+        return str(getattr(exc, "reason", exc))
+
+
+def check_dmi_layout(args: argparse.Namespace) -> None:
+    """Parallel layouts DMI cannot capture correctly are refused before Megatron looks at them."""
+    if args.dmi_hooks and args.context_parallel_size > 1:
+        _fail("--dmi-hooks", "context parallelism (--context-parallel-size > 1) is not supported by DMI yet")
+
+
+def validate_dmi_args(args: argparse.Namespace) -> None:
+    """Checks that need the whole Megatron config; run right after Megatron validates its own."""
+    if not args.dmi_hooks:
+        return
+    shape = model_shape(args)
+    if any(o.startswith("router.") for o in args.dmi_hooks) and not args.num_experts:
+        _fail("--dmi-hooks", "router outputs need a MoE model (--num-experts)")
+    largest = max(record_bytes(o, shape) for o in args.dmi_hooks)
+    if largest > args.dmi_ring_mb * (1 << 20):
+        _fail("--dmi-ring-mb", f"{args.dmi_ring_mb} MiB cannot hold one record of {largest} bytes; use at least "
+                               f"{largest / (1 << 20):.2f}")
+    if args.dmi_clickhouse_password_file and not os.access(args.dmi_clickhouse_password_file, os.R_OK):
+        _fail("--dmi-clickhouse-password-file", f"cannot read {args.dmi_clickhouse_password_file!r}")
+    if args.dmi_persist == "clickhouse" and args.dmi_clickhouse_url:
+        why = _ping(args.dmi_clickhouse_url)
+        if why is not None:
+            _fail("--dmi-clickhouse-url", f"ClickHouse at {args.dmi_clickhouse_url} is unreachable ({why}); "
+                                          "fix the URL or use --dmi-persist spool and load the spool later")
+    store_dir = config_from_args(args).store_dir
+    try:
+        os.makedirs(store_dir, mode=0o700, exist_ok=True)
+    except OSError as exc:
+        _fail("--dmi-store-dir", f"cannot create {store_dir!r}: {exc.strerror}")

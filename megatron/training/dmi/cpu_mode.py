@@ -24,7 +24,6 @@ import logging
 import torch
 from torch.overrides import TorchFunctionMode
 
-_enabled = False
 _CPU = torch.device("cpu")
 
 
@@ -82,53 +81,73 @@ class _NullEvent(_NullStream):
         return 0.0
 
 
-def enable() -> None:
-    """Install the shim in this process (idempotent). There is no disable: use a fresh process."""
-    global _enabled
-    if _enabled:
-        return
-    _enabled = True
-    cuda = torch.cuda
-    cuda.is_available = lambda: True
-    cuda.device_count = lambda: 1  # initialisation sets up model-parallel groups only when > 0
-    cuda.current_device = lambda: _CPU
-    cuda.set_device = lambda *a, **k: None
-    cuda.synchronize = lambda *a, **k: None
-    cuda.empty_cache = lambda: None
-    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
-    cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it after seeding the CPU
-    cuda.Stream = _NullStream
-    cuda.Event = _NullEvent
-    cuda.current_stream = lambda *a, **k: _NullStream()
-    cuda.default_stream = lambda *a, **k: _NullStream()
-    cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    cuda.set_stream = lambda *a, **k: None
-    cuda.memory_allocated = lambda *a, **k: 0
-    cuda.max_memory_allocated = lambda *a, **k: 0
-    cuda.memory_reserved = lambda *a, **k: 0
-    cuda.max_memory_reserved = lambda *a, **k: 0
-    cuda.reset_peak_memory_stats = lambda *a, **k: None
-    cuda.is_current_stream_capturing = lambda: False
-    torch.accelerator.current_stream = lambda *a, **k: _NullStream()  # optimizers ask it
-    # megatron's jit_fuser is torch.compile: on a CPU it only costs compile time for tiny models.
-    torch._dynamo.config.disable = True
-
+def _patches() -> list[tuple[object, str, object]]:
     from megatron.core.tensor_parallel import random as tp_random
-
-    tp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    tp_random._set_cuda_rng_state = lambda new_state, *a, **k: torch.set_rng_state(new_state)
-
-    # The tracker's "GPU" states are CPU generator states here, so its CPU-state check always fires.
-    logging.getLogger(tp_random.__name__).setLevel(logging.ERROR)
 
     import megatron.training.initialize as mt_init
 
-    mt_init._warmup_jit_function = lambda: None
+    cuda = torch.cuda
+    return [
+        (cuda, "is_available", lambda: True),
+        (cuda, "device_count", lambda: 1),  # initialisation builds model-parallel groups only when > 0
+        (cuda, "current_device", lambda: _CPU),
+        (cuda, "set_device", lambda *a, **k: None),
+        (cuda, "synchronize", lambda *a, **k: None),
+        (cuda, "empty_cache", lambda: None),
+        (cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state()),
+        (cuda, "set_rng_state", lambda state, *a, **k: torch.set_rng_state(state)),
+        (cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed))),
+        (cuda, "manual_seed_all", lambda seed: None),  # torch.manual_seed calls it after seeding the CPU
+        (cuda, "Stream", _NullStream),
+        (cuda, "Event", _NullEvent),
+        (cuda, "current_stream", lambda *a, **k: _NullStream()),
+        (cuda, "default_stream", lambda *a, **k: _NullStream()),
+        (cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
+        (cuda, "set_stream", lambda *a, **k: None),
+        (cuda, "memory_allocated", lambda *a, **k: 0),
+        (cuda, "max_memory_allocated", lambda *a, **k: 0),
+        (cuda, "memory_reserved", lambda *a, **k: 0),
+        (cuda, "max_memory_reserved", lambda *a, **k: 0),
+        (cuda, "reset_peak_memory_stats", lambda *a, **k: None),
+        (cuda, "is_current_stream_capturing", lambda: False),
+        (torch.accelerator, "current_stream", lambda *a, **k: _NullStream()),  # optimizers ask it
+        (tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
+        (tp_random, "_set_cuda_rng_state", lambda new_state, *a, **k: torch.set_rng_state(new_state)),
+        (mt_init, "_warmup_jit_function", lambda: None),
+        # megatron's jit_fuser is torch.compile: on a CPU it only costs compile time for tiny models.
+        (torch._dynamo.config, "disable", True),
+    ]
 
-    _CudaToCpu().__enter__()
+
+_saved: list[tuple[object, str, object]] = []
+_mode: _CudaToCpu | None = None
+
+
+def enable() -> None:
+    """Install the shim in this process (idempotent)."""
+    global _mode
+    if _mode is not None:
+        return
+    for obj, name, value in _patches():
+        _saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+    # The tracker's "GPU" states are CPU generator states here, so its CPU-state check always fires.
+    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    _mode = _CudaToCpu()
+    _mode.__enter__()
+
+
+def disable() -> None:
+    """Undo ``enable`` (tests use the shim per module and leave the process as they found it)."""
+    global _mode
+    if _mode is None:
+        return
+    _mode.__exit__(None, None, None)
+    _mode = None
+    while _saved:
+        obj, name, value = _saved.pop()
+        setattr(obj, name, value)
 
 
 def enabled() -> bool:
-    return _enabled
+    return _mode is not None

@@ -33,9 +33,28 @@ def _use_prebuilt_dataset_helpers() -> None:
     dataset_utils.compile_helpers = lambda: None
 
 
+def _validate_dmi_after_megatron() -> None:
+    """DMI checks that need the full Megatron config run inside Megatron's own validation, so bad
+    input still fails before any process group or model exists."""
+    import megatron.training.initialize as mt_init
+
+    from megatron.training.dmi.arguments import check_dmi_layout, validate_dmi_args
+
+    validate_args = mt_init.validate_args
+
+    def validate(args, *a, **k):
+        check_dmi_layout(args)
+        out = validate_args(args, *a, **k)
+        validate_dmi_args(args)
+        return out
+
+    mt_init.validate_args = validate
+
+
 def prepare_process(argv: list[str]) -> None:
-    """Run before megatron.training initialises: wheel gaps, and the CPU development mode."""
+    """Run before megatron.training initialises: wheel gaps, DMI validation, the CPU development mode."""
     _use_prebuilt_dataset_helpers()
+    _validate_dmi_after_megatron()
     if CPU_DEV_FLAG in argv:
         from megatron.training.dmi import cpu_mode
 
