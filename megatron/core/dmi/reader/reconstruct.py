@@ -1,0 +1,148 @@
+"""Rebuild one full tensor from the records (shards) of one (run, phase, iteration, microbatch,
+layer, output, invocation), following the catalog's combine rule.
+
+- ``concat``: every record covers tokens [token_start, token_end) of dim 0 of the full tensor
+  (length token_total) and, when the output has a ``shard_dim``, shard ``shard_index`` of
+  ``shard_count`` along that dim (e.g. attention heads under tensor parallelism). The token
+  ranges must tile [0, token_total) exactly and every range needs every shard index.
+- ``sum``: records over disjoint token ranges that tile [0, token_total) are added (e.g.
+  ``router.expert_counts`` under sequence/context parallelism).
+
+Records with equal (token range, shard index) are duplicates: identical ones (replicated producers,
+e.g. TP ranks routing the same tokens) are kept once, differing ones are an error.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from typing import Iterable, Sequence
+
+import torch
+
+from megatron.core.dmi import catalog
+from megatron.core.dmi.records import Record
+
+
+class ReconstructionError(RuntimeError):
+    """The stored shards do not form exactly one full tensor (gap, overlap, conflict, corruption)."""
+
+
+def _ranks(recs: Iterable[Record]) -> str:
+    return ",".join(str(r) for r in sorted({x.key.coords.rank for x in recs}))
+
+
+def _dedupe(records: Sequence[Record], what: str) -> dict[tuple[int, int, int], Record]:
+    groups: dict[tuple[int, int, int], list[Record]] = defaultdict(list)
+    for r in records:
+        groups[(r.key.token_start, r.key.token_end, r.key.shard_index)].append(r)
+    out = {}
+    for k, recs in groups.items():
+        first = recs[0]
+        for other in recs[1:]:
+            if other.key.shape != first.key.shape or other.payload != first.payload:
+                raise ReconstructionError(
+                    f"{what}: conflicting duplicates for tokens [{k[0]}, {k[1]}) shard {k[2]}: rank "
+                    f"{first.key.coords.rank} (crc32 {zlib.crc32(first.payload):08x}, shape {list(first.key.shape)}) vs "
+                    f"rank {other.key.coords.rank} (crc32 {zlib.crc32(other.payload):08x}, shape {list(other.key.shape)})"
+                )
+        out[k] = first
+    return out
+
+
+def _check_tiling(ranges: list[tuple[int, int]], total: int, what: str, by_range: dict, expected: str = "") -> None:
+    pos = 0
+    prev = None
+    for start, end in sorted(ranges):
+        if end < start:
+            raise ReconstructionError(f"{what}: invalid token range [{start}, {end})")
+        if start < pos:
+            raise ReconstructionError(
+                f"{what}: overlapping token ranges [{prev[0]}, {prev[1]}) (rank(s) {_ranks(by_range[prev])}) and "
+                f"[{start}, {end}) (rank(s) {_ranks(by_range[(start, end)])})"
+            )
+        if start > pos:
+            raise ReconstructionError(f"{what}: gap: tokens [{pos}, {start}) of {total} are missing{expected}")
+        pos, prev = end, (start, end)
+    if pos != total:
+        raise ReconstructionError(f"{what}: gap: tokens [{pos}, {total}) of {total} are missing{expected}")
+
+
+def reconstruct(records: Sequence[Record], output: str | None = None, *, what: str = "",
+                expected_ranks: dict[int, list[int]] | None = None) -> torch.Tensor:
+    """The full tensor from ``records`` (all of one key up to the shard fields).
+
+    ``expected_ranks`` (optional, shard index -> ranks that should have produced it, from the
+    topology table) only enriches the error messages.
+    """
+    if not records:
+        raise ReconstructionError(f"{what or output}: no records")
+    output = output or records[0].key.output
+    what = what or output
+    spec = catalog.BY_NAME.get(output)
+    combine = spec.combine if spec else "concat"
+    shard_dim = spec.shard_dim if spec else None
+
+    for r in records:
+        if len(r.payload) != r.key.nbytes:
+            raise ReconstructionError(
+                f"{what}: payload of rank {r.key.coords.rank} has {len(r.payload)} bytes, shape {list(r.key.shape)} "
+                f"of {r.key.dtype} needs {r.key.nbytes}"
+            )
+    for attr in ("dtype", "token_total", "shard_count"):
+        vals = {getattr(r.key, attr) for r in records}
+        if len(vals) > 1:
+            raise ReconstructionError(f"{what}: records disagree on {attr}: {sorted(map(str, vals))}")
+    total = records[0].key.token_total
+    shard_count = records[0].key.shard_count
+    uniq = _dedupe(records, what)
+
+    by_range: dict[tuple[int, int], dict[int, Record]] = defaultdict(dict)
+    for (start, end, shard), r in uniq.items():
+        if combine == "concat" and r.key.shape and r.key.shape[0] != end - start:
+            raise ReconstructionError(
+                f"{what}: rank {r.key.coords.rank} record covers tokens [{start}, {end}) but has {r.key.shape[0]} rows"
+            )
+        if not 0 <= shard < shard_count:
+            raise ReconstructionError(f"{what}: shard index {shard} outside 0..{shard_count - 1} (rank {r.key.coords.rank})")
+        by_range[(start, end)][shard] = r
+
+    def exp(shard: int | None = None) -> str:
+        if not expected_ranks:
+            return ""
+        ranks = sorted({x for s, rs in expected_ranks.items() if shard is None or s == shard for x in rs})
+        return f" (expected from rank(s) {','.join(map(str, ranks))})" if ranks else ""
+
+    _check_tiling(list(by_range), total, what, {k: v.values() for k, v in by_range.items()}, exp())
+
+    if combine == "sum":
+        acc = None
+        for rng in sorted(by_range):
+            for r in by_range[rng].values():
+                t = r.tensor()
+                if acc is None:
+                    acc = t.clone()
+                elif t.shape != acc.shape:
+                    raise ReconstructionError(f"{what}: cannot sum shapes {list(acc.shape)} and {list(t.shape)} (rank {r.key.coords.rank})")
+                else:
+                    acc += t
+        return acc
+
+    pieces = []
+    for rng in sorted(by_range):
+        shards = by_range[rng]
+        missing = sorted(set(range(shard_count)) - set(shards))
+        if missing:
+            raise ReconstructionError(
+                f"{what}: tokens [{rng[0]}, {rng[1]}): shard(s) {missing} of {shard_count} missing "
+                f"(present from rank(s) {_ranks(shards.values())}){exp(missing[0])}"
+            )
+        ts = [shards[i].tensor() for i in range(shard_count)]
+        if shard_count > 1:
+            if shard_dim is None:
+                raise ReconstructionError(f"{what}: {shard_count} shards but output {output} has no shard dimension")
+            ts = [torch.cat(ts, dim=shard_dim)]
+        pieces.append(ts[0])
+    if len(pieces) == 1:
+        return pieces[0].clone() if pieces[0].numel() else pieces[0]
+    return torch.cat(pieces, dim=0)

@@ -1,0 +1,449 @@
+"""The reader: open a DMI store (embedded chDB directory or ClickHouse URL) and answer questions.
+
+Every query sees each (phase, iteration) exactly once, from its latest attempt: attempt ``a``'s
+records for iterations after the checkpoint that a later attempt ``b`` resumed from are
+superseded (DESIGN section 7).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import pandas as pd
+import pyarrow as pa
+import torch
+
+from megatron.core.dmi.records import Record, RecordKey
+from megatron.core.dmi.reader.reconstruct import ReconstructionError, reconstruct
+from megatron.core.dmi.sinks import schema as S
+from megatron.core.dmi.sinks.backend import Backend, ChdbBackend, ServerBackend
+from megatron.core.dmi.sinks.ingest import IngestResult, ingest_spool
+
+_KEY_SELECT = ", ".join(
+    ["run_id", "phase", "iteration", "attempt", "microbatch", "invocation", "layer", "output", "rank", "tp", "pp",
+     "vpp", "dp", "cp", "ep", "etp", "shard_index", "shard_count", "token_start", "token_end", "token_total", "dtype",
+     "shape", "nbytes", "checksum", "payload"]
+)
+_URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+_VISIBLE = ("attempt = transform(concat(phase, ':', toString(iteration)), {vis_keys:Array(String)}, "
+            "{vis_attempts:Array(Int32)}, toInt32(-1))")
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+@dataclass
+class RunDescription:
+    run_id: str
+    attempts: pd.DataFrame  # attempt, resumed_from_iteration, started_at, world_size, versions
+    outputs: pd.DataFrame  # phase, output, records, bytes, layers, n_iterations, first/last iteration, ranks
+    layers: list[int]
+    iterations: dict[str, list[int]]  # phase -> visible iterations
+    records: int
+    bytes: int
+    superseded_records: int
+    dropped_records: int
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"run {self.run_id}: {self.records} records, {self.bytes / 2**20:.2f} MiB"
+                 + (f" ({self.superseded_records} superseded by later attempts)" if self.superseded_records else "")]
+        for _, a in self.attempts.iterrows():
+            rf = a["resumed_from_iteration"]
+            lines.append(f"  attempt {a['attempt']}: " + ("fresh start" if rf < 0 else f"resumed from iteration {rf}")
+                         + f", {a['world_size']} rank(s), started {a['started_at']}")
+        for phase, its in self.iterations.items():
+            if its:
+                lines.append(f"  {phase}: {len(its)} iteration(s) {its[0]}..{its[-1]}")
+        lines.append(f"  layers: {_ranges(self.layers)}")
+        if self.dropped_records:
+            lines.append(f"  records dropped before persistence: {self.dropped_records}")
+        return "\n".join(lines)
+
+
+def _ranges(xs: Sequence[int]) -> str:
+    xs = sorted(set(xs))
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out) or "-"
+
+
+def resolve_store_dir(path: str) -> tuple[str, str]:
+    """(store_dir, chdb_path) for a store directory, or for its ``chdb`` sub-folder."""
+    path = os.path.abspath(path)
+    if os.path.basename(path) == "chdb" and not os.path.isdir(os.path.join(path, "chdb")):
+        return os.path.dirname(path), path
+    return path, os.path.join(path, "chdb")
+
+
+def open_store(path_or_url: str, *, database: str = S.DEFAULT_DATABASE, ingest: bool = True,
+               password: str | None = None, progress: bool = False) -> "Store":
+    """Open a store for reading.
+
+    ``path_or_url``: a store directory (``--dmi-store-dir``: holds ``chdb/`` and ``spool/``) or a
+    ClickHouse server URL. Opening a directory first ingests any spool segments left over (a crash,
+    ``--dmi-persist spool``, a node whose ingester stood down), in this process. chDB lets one process
+    open a store: this fails with StoreBusyError while a training run's ingester holds it.
+    """
+    if _URL_RE.match(path_or_url):
+        backend: Backend = ServerBackend(path_or_url, database, password)
+        backend.ensure_schema()
+        return Store(backend, path_or_url)
+    store_dir, chdb_path = resolve_store_dir(path_or_url)
+    if not os.path.isdir(store_dir):
+        raise StoreError(f"no DMI store at {path_or_url} (directory does not exist)")
+    backend = ChdbBackend(chdb_path, database)
+    try:
+        backend.ensure_schema()
+        result = IngestResult()
+        spool = os.path.join(store_dir, "spool")
+        if ingest and os.path.isdir(spool):
+            result = _ingest_with_progress(backend, spool, delete=True, progress=progress)
+            if result.segments_corrupt:
+                warnings.warn(f"DMI: {result.segments_corrupt} corrupt spool segment(s) skipped while opening "
+                              f"{path_or_url}: " + "; ".join(result.errors[:3]), RuntimeWarning, stacklevel=2)
+    except BaseException:
+        backend.close()
+        raise
+    return Store(backend, store_dir, result)
+
+
+def _ingest_with_progress(backend: Backend, spool: str, delete: bool, progress: bool) -> IngestResult:
+    from megatron.core.dmi.sinks.spool import list_segments
+
+    segs = list_segments(spool)
+    if not segs:
+        return IngestResult()
+    if not progress:
+        return ingest_spool(backend, spool, delete=delete)
+    from tqdm import tqdm
+
+    total = sum(s.size for s in segs)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading spool") as bar:
+        return ingest_spool(backend, spool, delete=delete, progress=bar.update)
+
+
+class Store:
+    def __init__(self, backend: Backend, location: str, ingest_result: IngestResult | None = None):
+        self.backend = backend
+        self.location = location
+        self.ingest_result = ingest_result or IngestResult()
+        self._visible_cache: dict[str, dict[tuple[str, int], int]] = {}
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def t(self, table: str) -> str:
+        return self.backend.t(table)
+
+    def sql(self, query: str, params: dict[str, Any] | None = None) -> pa.Table:
+        """Run any SQL (tables live in database ``dmi``; see docs/storage.md)."""
+        return self.backend.query_arrow(query, params)
+
+    def df(self, query: str, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        return self.sql(query, params).to_pandas()
+
+    def load(self, spool_root: str, delete: bool = False, progress: bool = False) -> IngestResult:
+        """Load spool segments from another directory (``--dmi-persist spool`` output)."""
+        self._visible_cache.clear()
+        return _ingest_with_progress(self.backend, spool_root, delete=delete, progress=progress)
+
+    # -- runs -------------------------------------------------------------------------------
+    def runs(self) -> pd.DataFrame:
+        """One row per run: attempts, start time, visible record counts and iteration span."""
+        meta = self.df(
+            f"SELECT run_id, max(attempt) AS attempts, min(started_at) AS started_at, max(world_size) AS world_size "
+            f"FROM {self.t('runs')} FINAL GROUP BY run_id"
+        )
+        data = self.df(
+            f"SELECT run_id, count() AS records, sum(nbytes) AS bytes, min(iteration) AS first_iteration, "
+            f"max(iteration) AS last_iteration FROM {self.t('tensors')} FINAL GROUP BY run_id"
+        )
+        out = meta.merge(data, on="run_id", how="outer")
+        for c in ("attempts", "world_size", "records", "bytes", "first_iteration", "last_iteration"):
+            out[c] = out[c].fillna(0).astype("int64")
+        return out.sort_values(["started_at", "run_id"], na_position="first").reset_index(drop=True)
+
+    def resolve_run(self, run_id: str | None) -> str:
+        """``run_id`` itself, or the latest run when None."""
+        runs = self.runs()
+        if runs.empty:
+            raise StoreError(f"the store at {self.location} holds no runs")
+        if run_id is None:
+            return str(runs["run_id"].iloc[-1])
+        if run_id not in set(runs["run_id"]):
+            raise StoreError(f"no run {run_id!r} in {self.location} (runs: {', '.join(map(str, runs['run_id']))})")
+        return run_id
+
+    def attempts(self, run_id: str) -> pd.DataFrame:
+        return self.df(
+            f"SELECT attempt, any(resumed_from_iteration) AS resumed_from_iteration, min(started_at) AS started_at, "
+            f"max(world_size) AS world_size, any(versions_json) AS versions_json, any(config_json) AS config_json "
+            f"FROM {self.t('runs')} FINAL WHERE run_id = {{run:String}} GROUP BY attempt ORDER BY attempt",
+            {"run": run_id},
+        )
+
+    def visible_attempts(self, run_id: str) -> dict[tuple[str, int], int]:
+        """(phase, iteration) -> the attempt whose records a reader sees."""
+        if run_id in self._visible_cache:
+            return self._visible_cache[run_id]
+        present = self.sql(
+            f"SELECT DISTINCT phase, iteration, attempt FROM {self.t('tensors')} WHERE run_id = {{run:String}}",
+            {"run": run_id},
+        ).to_pylist()
+        att = self.attempts(run_id)
+        resumed = {int(a): int(r) for a, r in zip(att["attempt"], att["resumed_from_iteration"])}
+        cutoff: dict[int, float] = {}
+        for a in {p["attempt"] for p in present} | set(resumed):
+            later = [r for b, r in resumed.items() if b > a and r >= 0]
+            cutoff[a] = min(later) if later else math.inf
+        vis: dict[tuple[str, int], int] = {}
+        for p in present:
+            k, a = (p["phase"], int(p["iteration"])), int(p["attempt"])
+            if k[1] <= cutoff[a] and a > vis.get(k, -1):
+                vis[k] = a
+        self._visible_cache[run_id] = vis
+        return vis
+
+    def _vis_params(self, run_id: str) -> dict[str, Any]:
+        vis = self.visible_attempts(run_id)
+        return {"run": run_id, "vis_keys": [f"{p}:{i}" for p, i in vis], "vis_attempts": list(vis.values())}
+
+    def describe(self, run_id: str | None = None) -> RunDescription:
+        run_id = self.resolve_run(run_id)
+        params = self._vis_params(run_id)
+        outputs = self.df(
+            f"SELECT phase, output, count() AS records, sum(nbytes) AS bytes, arraySort(groupUniqArray(layer)) AS layers, "
+            f"uniqExact(iteration) AS n_iterations, min(iteration) AS first_iteration, max(iteration) AS last_iteration, "
+            f"uniqExact(microbatch) AS microbatches, arraySort(groupUniqArray(rank)) AS ranks "
+            f"FROM {self.t('tensors')} FINAL WHERE run_id = {{run:String}} AND {_VISIBLE} "
+            f"GROUP BY phase, output ORDER BY phase, output", params)
+        superseded = self.sql(
+            f"SELECT count() AS n FROM {self.t('tensors')} FINAL WHERE run_id = {{run:String}} AND NOT ({_VISIBLE})",
+            params).column("n")[0].as_py()
+        drops = self.sql(f"SELECT count() AS n FROM {self.t('drops')} FINAL WHERE run_id = {{run:String}}",
+                         {"run": run_id}).column("n")[0].as_py()
+        attempts = self.attempts(run_id)
+        config = {}
+        if not attempts.empty:
+            import json
+
+            try:
+                config = json.loads(attempts["config_json"].iloc[-1])
+            except ValueError:
+                pass
+        vis = self.visible_attempts(run_id)
+        iterations: dict[str, list[int]] = defaultdict(list)
+        for (phase, it) in sorted(vis):
+            iterations[phase].append(it)
+        layers = sorted({int(x) for ls in outputs["layers"] for x in ls}) if not outputs.empty else []
+        return RunDescription(
+            run_id=run_id, attempts=attempts.drop(columns=["config_json"]), outputs=outputs, layers=layers,
+            iterations=dict(iterations), records=int(outputs["records"].sum()) if not outputs.empty else 0,
+            bytes=int(outputs["bytes"].sum()) if not outputs.empty else 0, superseded_records=int(superseded),
+            dropped_records=int(drops), config=config,
+        )
+
+    def topology(self, run_id: str, attempt: int | None = None) -> pd.DataFrame:
+        if attempt is None:
+            attempt = int(self.attempts(run_id)["attempt"].max()) if not self.attempts(run_id).empty else 0
+        return self.df(f"SELECT * FROM {self.t('topology')} FINAL WHERE run_id = {{run:String}} AND attempt = {{a:Int32}} "
+                       f"ORDER BY rank", {"run": run_id, "a": int(attempt)})
+
+    def dropped_records(self, run_id: str | None = None) -> pd.DataFrame:
+        """Records lost before persistence (ring full, disk full), with their keys and reason."""
+        run_id = self.resolve_run(run_id)
+        return self.df(f"SELECT * FROM {self.t('drops')} FINAL WHERE run_id = {{run:String}} "
+                       f"ORDER BY attempt, iteration, microbatch, layer, output, rank", {"run": run_id})
+
+    def reports(self, run_id: str | None = None) -> pd.DataFrame:
+        run_id = self.resolve_run(run_id)
+        return self.df(f"SELECT * FROM {self.t('reports')} FINAL WHERE run_id = {{run:String}} ORDER BY attempt, rank",
+                       {"run": run_id})
+
+    # -- tensors ----------------------------------------------------------------------------
+    def records(self, run_id: str, output: str, iteration: int, microbatch: int = 0, layer: int | None = None,
+                phase: str = "train", dp: int = 0, invocation: int = 0) -> list[Record]:
+        """The stored shards of one tensor (checksums verified), from the visible attempt."""
+        vis = self.visible_attempts(run_id)
+        attempt = vis.get((phase, int(iteration)))
+        if attempt is None:
+            its = sorted(i for p, i in vis if p == phase)
+            raise StoreError(f"run {run_id!r} has no {phase} records at iteration {iteration}"
+                             + (f" (captured: {_ranges(its)})" if its else ""))
+        params = {"run": run_id, "phase": phase, "output": output, "it": int(iteration), "mb": int(microbatch),
+                  "inv": int(invocation), "att": int(attempt), "dp": int(dp)}
+        where = ("run_id = {run:String} AND phase = {phase:String} AND output = {output:String} AND iteration = {it:Int64} "
+                 "AND microbatch = {mb:Int32} AND invocation = {inv:Int8} AND attempt = {att:Int32} AND dp = {dp:Int32}")
+        if layer is None:
+            layers = self.sql(f"SELECT DISTINCT layer FROM {self.t('tensors')} WHERE {where} ORDER BY layer",
+                              params).column("layer").to_pylist()
+            if len(layers) != 1:
+                raise StoreError(f"{output} at iteration {iteration} has layers {_ranges(layers) if layers else 'none'}: "
+                                 f"pass layer=")
+            layer = layers[0]
+        params["layer"] = int(layer)
+        table = self.sql(f"SELECT {_KEY_SELECT} FROM {self.t('tensors')} FINAL WHERE {where} AND layer = {{layer:Int32}}",
+                         params)
+        return self._to_records(table)
+
+    @staticmethod
+    def _to_records(table: pa.Table) -> list[Record]:
+        out = []
+        for row in table.to_pylist():
+            payload = bytes(row.pop("payload"))
+            checksum = row.pop("checksum")
+            row.pop("nbytes")
+            key = RecordKey.from_flat(row)
+            if zlib.crc32(payload) != checksum:
+                raise ReconstructionError(
+                    f"{key.output} iteration {key.iteration} layer {key.layer} rank {key.coords.rank}: payload fails its "
+                    f"crc32 checksum (corrupted store)")
+            out.append(Record(key, payload))
+        return out
+
+    def tensor(self, run_id: str, output: str, iteration: int, microbatch: int = 0, layer: int | None = None,
+               phase: str = "train", dp: int = 0, invocation: int = 0) -> torch.Tensor:
+        """The full tensor rebuilt from every TP/SP/EP/CP/PP shard (see reconstruct.py for the rules).
+        Raises ReconstructionError on a gap, an overlap or conflicting duplicates."""
+        recs = self.records(run_id, output, iteration, microbatch, layer, phase, dp, invocation)
+        what = f"{output} run {run_id} {phase} iteration {iteration} microbatch {microbatch} layer {recs[0].key.layer if recs else layer}"
+        if not recs:
+            raise ReconstructionError(f"{what}: no records (dp {dp}, invocation {invocation})")
+        return reconstruct(recs, output, what=what, expected_ranks=self._expected_ranks(run_id, recs))
+
+    def _expected_ranks(self, run_id: str, recs: list[Record]) -> dict[int, list[int]] | None:
+        """shard index -> ranks holding this layer with that TP coordinate (for error messages)."""
+        k = recs[0].key
+        try:
+            topo = self.topology(run_id, k.attempt)
+        except Exception:
+            return None
+        if topo.empty:
+            return None
+        out: dict[int, list[int]] = defaultdict(list)
+        for _, row in topo.iterrows():
+            if k.layer in set(int(x) for x in row["layers"]) and int(row["dp"]) == k.coords.dp:
+                out[int(row["tp"])].append(int(row["rank"]))
+        return dict(out)
+
+    # -- questions --------------------------------------------------------------------------
+    def expert_load(self, run_id: str | None = None, phase: str = "train", layers: Sequence[int] | None = None,
+                    iterations: Sequence[int] | None = None) -> pd.DataFrame:
+        """Tokens per expert per layer per iteration, before (``tokens_pre``) and after
+        (``tokens_post``) capacity dropping, summed over microbatches and data-parallel ranks
+        (replicated producers counted once). From the ``expert_counts`` summary table: no payloads
+        are decoded."""
+        run_id = self.resolve_run(run_id)
+        params = self._vis_params(run_id)
+        params.update(phase=phase, layers=[int(x) for x in layers or []], its=[int(x) for x in iterations or []])
+        return self.df(
+            f"SELECT iteration, layer, expert, sum(pre) AS tokens_pre, sum(post) AS tokens_post FROM ("
+            f" SELECT iteration, microbatch, layer, dp, token_start, token_end, expert, any(tokens_pre) AS pre,"
+            f" any(tokens_post) AS post FROM {self.t('expert_counts')} FINAL"
+            f" WHERE run_id = {{run:String}} AND phase = {{phase:String}} AND invocation = 0 AND {_VISIBLE}"
+            f" AND (empty({{layers:Array(Int32)}}) OR has({{layers:Array(Int32)}}, layer))"
+            f" AND (empty({{its:Array(Int64)}}) OR has({{its:Array(Int64)}}, iteration))"
+            f" GROUP BY iteration, microbatch, layer, dp, token_start, token_end, expert)"
+            f" GROUP BY iteration, layer, expert ORDER BY iteration, layer, expert", params)
+
+    def drop_rate(self, run_id: str | None = None, phase: str = "train", by_layer: bool = False) -> pd.DataFrame:
+        """Fraction of routed token slots dropped by the capacity factor, per iteration (and layer)."""
+        load = self.expert_load(run_id, phase)
+        keys = ["iteration", "layer"] if by_layer else ["iteration"]
+        if load.empty:
+            return pd.DataFrame(columns=keys + ["tokens_pre", "tokens_post", "drop_rate"])
+        g = load.groupby(keys, as_index=False)[["tokens_pre", "tokens_post"]].sum()
+        g["drop_rate"] = (g["tokens_pre"] - g["tokens_post"]) / g["tokens_pre"].where(g["tokens_pre"] > 0)
+        g["drop_rate"] = g["drop_rate"].fillna(0.0)
+        return g
+
+    def router_entropy(self, run_id: str | None = None, phase: str = "train", layers: Sequence[int] | None = None,
+                       iterations: Sequence[int] | None = None, dp: int = 0, progress: bool = False) -> pd.DataFrame:
+        """Mean per-token entropy (nats) of the routing distribution softmax(router.logits), per
+        iteration and layer (tokens of all microbatches of data-parallel rank ``dp``);
+        ``entropy_normalized`` divides by log(E) (1 = uniform routing)."""
+        run_id = self.resolve_run(run_id)
+        vis = self.visible_attempts(run_id)
+        its = sorted(i for p, i in vis if p == phase and (not iterations or i in set(iterations)))
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(its), desc="router entropy", unit="it")
+        rows = []
+        for it in its:
+            params = {"run": run_id, "phase": phase, "it": it, "att": vis[(phase, it)], "dp": int(dp),
+                      "layers": [int(x) for x in layers or []]}
+            table = self.sql(
+                f"SELECT {_KEY_SELECT} FROM {self.t('tensors')} FINAL WHERE run_id = {{run:String}} AND phase = {{phase:String}}"
+                f" AND output = 'router.logits' AND iteration = {{it:Int64}} AND attempt = {{att:Int32}} AND dp = {{dp:Int32}}"
+                f" AND invocation = 0 AND (empty({{layers:Array(Int32)}}) OR has({{layers:Array(Int32)}}, layer))", params)
+            groups: dict[tuple[int, int], list[Record]] = defaultdict(list)
+            for r in self._to_records(table):
+                groups[(r.key.layer, r.key.microbatch)].append(r)
+            per_layer: dict[int, list[float]] = defaultdict(lambda: [0.0, 0, 0])
+            for (layer, mb), recs in sorted(groups.items()):
+                logits = reconstruct(recs, "router.logits", what=f"router.logits iteration {it} microbatch {mb} layer {layer}")
+                if logits.numel() == 0:
+                    continue
+                p = torch.softmax(logits.float(), dim=-1)
+                h = torch.special.entr(p).sum(-1)
+                acc = per_layer[layer]
+                acc[0] += float(h.sum())
+                acc[1] += h.numel()
+                acc[2] = logits.shape[-1]
+            for layer, (hsum, n, e) in sorted(per_layer.items()):
+                ent = hsum / n
+                rows.append({"iteration": it, "layer": layer, "entropy": ent,
+                             "entropy_normalized": ent / math.log(e) if e > 1 else 0.0, "tokens": n})
+            if bar:
+                bar.update(1)
+        if bar:
+            bar.close()
+        return pd.DataFrame(rows, columns=["iteration", "layer", "entropy", "entropy_normalized", "tokens"])
+
+    def attention_pattern(self, run_id: str, iteration: int, microbatch: int, layer: int, head: int, batch: int = 0,
+                          phase: str = "train", dp: int = 0) -> torch.Tensor:
+        """[s, s] causal attention probabilities of one head, rebuilt from attn.q and attn.k
+        (softmax(q k^T / sqrt(d)) with future positions masked; under GQA head h reads key group
+        h // (heads / groups))."""
+        q = self.tensor(run_id, "attn.q", iteration, microbatch, layer, phase, dp)
+        k = self.tensor(run_id, "attn.k", iteration, microbatch, layer, phase, dp)
+        if q.dim() != 4 or k.dim() != 4:
+            raise StoreError(f"attn.q/attn.k must be [s, b, heads, d]; got {list(q.shape)} and {list(k.shape)}")
+        s, b, heads, d = q.shape
+        groups = k.shape[2]
+        if not 0 <= head < heads:
+            raise StoreError(f"head {head} outside 0..{heads - 1}")
+        if not 0 <= batch < b:
+            raise StoreError(f"batch {batch} outside 0..{b - 1}")
+        if heads % groups:
+            raise StoreError(f"{heads} query heads do not divide into {groups} key groups")
+        g = head // (heads // groups)
+        qh = q[:, batch, head].double()
+        kh = k[:, batch, g].double()
+        scores = qh @ kh.T / math.sqrt(d)
+        mask = torch.ones(s, kh.shape[0], dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+        return torch.softmax(scores, dim=-1).float()

@@ -1,0 +1,67 @@
+"""DMI sinks: where captured records go.
+
+``open_sink`` picks the sink for a DMIConfig:
+
+- ``--dmi-persist none``: NullSink (counts and discards)
+- ``--dmi-persist spool``: SpoolSink (per-rank Parquet segments under ``<store_dir>/spool``)
+- ``--dmi-persist clickhouse`` with ``--dmi-clickhouse-url``: ServerSink (every rank inserts;
+  spool fallback and replay)
+- ``--dmi-persist clickhouse`` without a URL: EmbeddedSink (every rank spools; the node's
+  ingester loads all ranks into the embedded chDB store ``<store_dir>/chdb``)
+
+See docs/storage.md for the tables and the multi-rank design.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.records import ParallelCoords
+from megatron.core.dmi.sinks.backend import (
+    PASSWORD_ENV,
+    PASSWORD_FILE_ENV,
+    BackendError,
+    ChdbBackend,
+    ServerBackend,
+    ServerURLError,
+    StoreBusyError,
+    open_backend,
+    parse_server_url,
+    resolve_password,
+)
+from megatron.core.dmi.sinks.base import Sink, SinkReport
+from megatron.core.dmi.sinks.ingest import IngestResult, IngesterThread, ingest_spool, load_table
+from megatron.core.dmi.sinks.meta import DMISinkReport, RunInfo, default_versions
+from megatron.core.dmi.sinks.schema import SCHEMA_VERSION, IdentifierError, SchemaVersionError, check_identifier
+from megatron.core.dmi.sinks.sinks import DMISink, EmbeddedSink, NullSink, ServerSink, SpoolSink
+
+STORE_CHDB = "chdb"
+STORE_SPOOL = "spool"
+
+
+def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingester: bool) -> DMISink:
+    """The sink for this process. ``is_ingester``: this process is its node's ingester (local
+    rank 0); only used by the embedded store."""
+    check_identifier(config.clickhouse_database, "--dmi-clickhouse-database")
+    if config.persist == "none":
+        return NullSink(run_id, coords)
+    store_dir = config.store_dir
+    spool_root = os.path.join(store_dir, STORE_SPOOL)
+    if config.persist == "spool":
+        return SpoolSink(run_id, coords, spool_root)
+    if config.persist != "clickhouse":
+        raise ValueError(f"unknown --dmi-persist {config.persist!r} (expected clickhouse, spool or none)")
+    if config.clickhouse_url:
+        return ServerSink(config.clickhouse_url, run_id, coords, spool_root, database=config.clickhouse_database,
+                          password=resolve_password(config.clickhouse_password))
+    return EmbeddedSink(store_dir, run_id, coords, is_ingester, database=config.clickhouse_database)
+
+
+__all__ = [
+    "open_sink", "RunInfo", "DMISink", "DMISinkReport", "Sink", "SinkReport", "NullSink", "SpoolSink",
+    "EmbeddedSink", "ServerSink", "IngesterThread", "IngestResult", "ingest_spool", "load_table",
+    "ChdbBackend", "ServerBackend", "open_backend", "StoreBusyError", "BackendError", "ServerURLError",
+    "SchemaVersionError", "IdentifierError", "SCHEMA_VERSION", "parse_server_url", "resolve_password",
+    "default_versions", "PASSWORD_ENV", "PASSWORD_FILE_ENV",
+]

@@ -1,0 +1,345 @@
+"""Database backends: the embedded chDB store and a ClickHouse server, behind one small interface.
+
+Everything above this module (sinks, ingester, reader) speaks the same SQL (rendered by
+``schema``) and moves data as Arrow tables, so the embedded and the server paths share all of it.
+Values always travel as bound parameters (``{name:Type}``); only validated identifiers are
+spliced into SQL text.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import os
+import re
+import threading
+import urllib.parse
+from abc import ABC, abstractmethod
+from typing import Any
+
+import pyarrow as pa
+
+from megatron.core.dmi.sinks import schema as S
+
+
+class StoreBusyError(RuntimeError):
+    """Another process holds the embedded store (chDB allows one process per store path)."""
+
+
+class BackendError(RuntimeError):
+    pass
+
+
+def normalize_result(table: pa.Table) -> pa.Table:
+    """Make result columns predictable: ``payload`` is binary, every other text column a string."""
+    cols, fields = [], []
+    for f, col in zip(table.schema, table.columns):
+        t = f.type
+        if f.name == "payload":
+            if pa.types.is_string(t) or pa.types.is_binary(t):
+                col = pa.chunked_array([c.view(pa.binary()) for c in col.chunks], type=pa.binary())
+            elif pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+                col = pa.chunked_array([c.view(pa.large_binary()) for c in col.chunks], type=pa.large_binary())
+        elif pa.types.is_binary(t) or pa.types.is_large_binary(t):
+            col = col.cast(pa.string())
+        elif pa.types.is_dictionary(t):
+            col = col.cast(t.value_type)
+            if pa.types.is_binary(col.type):
+                col = col.cast(pa.string())
+        cols.append(col)
+        fields.append(pa.field(f.name, col.type))
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields))
+
+
+class Backend(ABC):
+    database: str
+    description: str
+
+    @abstractmethod
+    def command(self, sql: str, params: dict[str, Any] | None = None) -> None: ...
+
+    @abstractmethod
+    def query_arrow(self, sql: str, params: dict[str, Any] | None = None) -> pa.Table: ...
+
+    @abstractmethod
+    def insert_arrow(self, table: str, data: pa.Table) -> None: ...
+
+    def close(self) -> None:
+        pass
+
+    def t(self, table: str) -> str:
+        """Qualified, validated table name."""
+        return S.qualified(self.database, table)
+
+    def ensure_schema(self) -> None:
+        """Create missing tables; refuse a store of another schema version."""
+        db = S.check_identifier(self.database, "database name")
+        exists = self.query_arrow(
+            "SELECT count() AS n FROM system.tables WHERE database = {db:String} AND name = 'schema_version'",
+            {"db": db},
+        ).column("n")[0].as_py()
+        if exists:
+            self._check_version()
+        for stmt in S.ddl(db):
+            self.command(stmt)
+        if not exists:
+            self.command(f"INSERT INTO {db}.schema_version (version) VALUES ({{v:UInt32}})", {"v": S.SCHEMA_VERSION})
+        self._check_version()
+
+    def _check_version(self) -> None:
+        got = self.query_arrow(f"SELECT DISTINCT version FROM {self.database}.schema_version").column("version").to_pylist()
+        bad = [v for v in got if v != S.SCHEMA_VERSION]
+        if bad:
+            raise S.version_mismatch(int(bad[0]), self.description)
+
+
+# ------------------------------------------------------------------------------------------------
+# Embedded chDB
+# ------------------------------------------------------------------------------------------------
+
+def _esc(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+
+
+def _param_elem(v: Any) -> str:
+    if isinstance(v, str):
+        return "'" + _esc(v).replace("'", "\\'") + "'"
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_param_elem(x) for x in v) + "]"
+    raise TypeError(f"unsupported query parameter value {type(v).__name__}")
+
+
+def chdb_params(params: dict[str, Any] | None) -> dict[str, str] | None:
+    """chDB passes parameter values as text in ClickHouse's escaped format: encode them exactly."""
+    if not params:
+        return None
+    out = {}
+    for k, v in params.items():
+        if isinstance(v, str):
+            out[k] = _esc(v)
+        elif v is None:
+            out[k] = "\\N"
+        else:
+            out[k] = _param_elem(v)
+    return out
+
+
+_open_lock = threading.Lock()
+_open_session: dict[str, Any] = {}  # realpath -> [session, refcount, lockfd]
+
+
+class ChdbBackend(Backend):
+    """An embedded chDB store at ``path``. One process per path (a lock file guards it) and one
+    path per process (a chDB limit); opening the same path twice in a process shares the session."""
+
+    def __init__(self, path: str, database: str = S.DEFAULT_DATABASE):
+        self.database = S.check_identifier(database, "database name")
+        self.path = os.path.realpath(path)
+        self.description = f"at {path}"
+        with _open_lock:
+            other = [p for p in _open_session if p != self.path]
+            if other:
+                raise StoreBusyError(
+                    f"this process already has the chDB store {other[0]} open; chDB holds one store per "
+                    f"process, so open {self.path} from another process"
+                )
+            entry = _open_session.get(self.path)
+            if entry is None:
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                lockfd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.pread(lockfd, 64, 0).decode(errors="replace").strip() or "?"
+                    os.close(lockfd)
+                    raise StoreBusyError(
+                        f"DMI store {self.path} is held by another process (pid {holder}; e.g. a running "
+                        f"training's ingester or another reader). chDB lets one process open a store: "
+                        f"wait for it to finish, or copy the store directory and open the copy"
+                    ) from None
+                os.ftruncate(lockfd, 0)
+                os.pwrite(lockfd, f"{os.getpid()}\n".encode(), 0)
+                try:
+                    from chdb import session as chs
+
+                    sess = chs.Session(self.path)
+                except Exception:
+                    fcntl.flock(lockfd, fcntl.LOCK_UN)
+                    os.close(lockfd)
+                    raise
+                entry = _open_session[self.path] = [sess, 0, lockfd]
+            entry[1] += 1
+            self._session = entry[0]
+        self._closed = False
+        self._lock = threading.Lock()  # one statement at a time (streaming inserts block the session)
+
+    def command(self, sql, params=None):
+        with self._lock:
+            self._session.query(sql, "CSV", params=chdb_params(params))
+
+    def query_arrow(self, sql, params=None):
+        with self._lock:
+            res = self._session.query(sql, "ArrowTable", params=chdb_params(params))
+        return normalize_result(res)
+
+    def insert_arrow(self, table, data):
+        if data.num_rows == 0:
+            return
+        buf = io.BytesIO()
+        with pa.ipc.new_stream(buf, data.schema) as w:
+            w.write_table(data)
+        cols = ", ".join(S.check_identifier(c, "column name") for c in data.schema.names)
+        with self._lock:
+            with self._session.send_insert(f"INSERT INTO {self.t(table)} ({cols})", "ArrowStream") as ins:
+                ins.append(buf.getbuffer())
+                ins.finish()
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        with _open_lock:
+            entry = _open_session.get(self.path)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _open_session[self.path]
+                try:
+                    entry[0].close()
+                finally:
+                    fcntl.flock(entry[2], fcntl.LOCK_UN)
+                    os.close(entry[2])
+
+
+# ------------------------------------------------------------------------------------------------
+# ClickHouse server (clickhouse-connect)
+# ------------------------------------------------------------------------------------------------
+
+PASSWORD_ENV = "DMI_CLICKHOUSE_PASSWORD"
+PASSWORD_FILE_ENV = "DMI_CLICKHOUSE_PASSWORD_FILE"
+
+
+class ServerURLError(ValueError):
+    pass
+
+
+def parse_server_url(url: str) -> dict:
+    """``http(s)://[user@]host:port`` -> connection kwargs. A password inside the URL is refused
+    (it would sit in argv and in logs): use DMI_CLICKHOUSE_PASSWORD or a password file."""
+    p = urllib.parse.urlsplit(url)
+    if p.scheme not in ("http", "https"):
+        raise ServerURLError(f"--dmi-clickhouse-url must start with http:// or https:// (got scheme {p.scheme!r})")
+    if p.password is not None:
+        raise ServerURLError(
+            "--dmi-clickhouse-url must not contain a password; set DMI_CLICKHOUSE_PASSWORD or use a password file"
+        )
+    if not p.hostname:
+        raise ServerURLError("--dmi-clickhouse-url has no host name")
+    if p.path not in ("", "/") or p.query or p.fragment:
+        raise ServerURLError("--dmi-clickhouse-url takes only http(s)://[user@]host:port")
+    try:
+        port = p.port
+    except ValueError:
+        raise ServerURLError("--dmi-clickhouse-url has an invalid port") from None
+    secure = p.scheme == "https"
+    return {
+        "host": p.hostname,
+        "port": port or (8443 if secure else 8123),
+        "username": urllib.parse.unquote(p.username) if p.username else "default",
+        "secure": secure,
+    }
+
+
+def resolve_password(explicit: str | None = None, password_file: str | None = None) -> str:
+    if explicit:
+        return explicit
+    if os.environ.get(PASSWORD_ENV):
+        return os.environ[PASSWORD_ENV]
+    path = password_file or os.environ.get(PASSWORD_FILE_ENV)
+    if path:
+        with open(path) as f:
+            return f.read().strip()
+    return ""
+
+
+def redact(text: str, secret: str | None) -> str:
+    if secret:
+        text = text.replace(secret, "***")
+    # belt and braces: never echo anything that looks like a credential pair from a URL
+    return re.sub(r"(//[^/@\s:]+):[^@\s/]+@", r"\1:***@", text)
+
+
+class ServerBackend(Backend):
+    def __init__(self, url: str, database: str = S.DEFAULT_DATABASE, password: str | None = None,
+                 connect_timeout: float = 3.0, send_receive_timeout: float = 60.0):
+        self.database = S.check_identifier(database, "database name")
+        self._kw = parse_server_url(url)
+        self.description = f"at {self._kw['host']}:{self._kw['port']}"
+        self._password = password if password is not None else resolve_password()
+        self._client = None
+        self._connect_timeout = connect_timeout
+        self._send_receive_timeout = send_receive_timeout
+        self._lock = threading.Lock()
+
+    def _get(self):
+        if self._client is None:
+            import clickhouse_connect
+
+            try:
+                self._client = clickhouse_connect.get_client(
+                    **self._kw, password=self._password, connect_timeout=self._connect_timeout,
+                    send_receive_timeout=self._send_receive_timeout,
+                    settings={"output_format_arrow_string_as_string": 0},
+                )
+            except Exception as e:  # never let the password leak through an exception text
+                raise BackendError(f"cannot connect to ClickHouse {self.description}: "
+                                   f"{redact(str(e), self._password)}") from None
+        return self._client
+
+    def _wrap(self, fn):
+        try:
+            with self._lock:
+                return fn(self._get())
+        except BackendError:
+            raise
+        except Exception as e:
+            self._client = None  # reconnect next time
+            raise BackendError(f"ClickHouse {self.description}: {type(e).__name__}: {redact(str(e), self._password)}") from None
+
+    def ping(self) -> bool:
+        try:
+            return bool(self._wrap(lambda c: c.ping()))
+        except BackendError:
+            return False
+
+    def command(self, sql, params=None):
+        self._wrap(lambda c: c.command(sql, parameters=params or None))
+
+    def query_arrow(self, sql, params=None):
+        return normalize_result(self._wrap(lambda c: c.query_arrow(sql, parameters=params or None)))
+
+    def insert_arrow(self, table, data):
+        if data.num_rows == 0:
+            return
+        S.check_identifier(table, "table name")
+        self._wrap(lambda c: c.insert_arrow(table, data, database=self.database))
+
+    def close(self):
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+            self._client = None
+
+
+def open_backend(target: str, database: str = S.DEFAULT_DATABASE, password: str | None = None) -> Backend:
+    """A URL opens a server backend, anything else an embedded chDB store path."""
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", target):
+        return ServerBackend(target, database, password)
+    return ChdbBackend(target, database)

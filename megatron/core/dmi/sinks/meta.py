@@ -1,0 +1,128 @@
+"""Run metadata handed to sinks (RunInfo) and its Arrow encodings for the runs/topology/drops/
+reports tables."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+import pyarrow as pa
+
+from megatron.core.dmi.records import ParallelCoords, RecordKey
+from megatron.core.dmi.sinks import schema as S
+from megatron.core.dmi.sinks.base import SinkReport
+
+
+@dataclass
+class DMISinkReport(SinkReport):
+    """SinkReport plus what the concrete sinks also know.
+
+    Every tensor record a sink accepts ends in exactly one of: written (in the store, or in a spool
+    segment that is the designed route into it: embedded store and ``--dmi-persist spool``),
+    spooled (a server sink's fallback files still waiting for replay or ``load``), dropped (lost,
+    e.g. disk full), discarded (``--dmi-persist none``).
+    """
+
+    sink: str = ""
+    records_discarded: int = 0
+    bytes_discarded: int = 0
+    records_replayed: int = 0  # server sink: spooled while the server was away, replayed since
+    segments_ingested: int = 0  # ingester: spool segments of all ranks loaded by this process
+    segments_corrupt: int = 0
+    drops_recorded: int = 0  # keys of records lost upstream (ring full) written to the drops table
+
+    def summary(self) -> str:
+        s = (f"written {self.records_written} ({self.bytes_written / 2**20:.1f} MiB), "
+             f"spooled {self.records_spooled}, dropped {self.records_dropped}")
+        if self.records_discarded:
+            s += f", discarded {self.records_discarded}"
+        if self.records_replayed:
+            s += f", replayed {self.records_replayed}"
+        if self.errors:
+            s += f", {len(self.errors)} error(s)"
+        return s
+
+
+def default_versions() -> dict[str, str]:
+    """Versions of the packages a run depends on (recorded in the runs table)."""
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "megatron-core", "megatron-dmi", "chdb", "pyarrow"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        import megatron.core.dmi as dmi
+
+        out.setdefault("megatron-dmi", getattr(dmi, "__version__", "?"))
+    except Exception:
+        pass
+    return out
+
+
+@dataclass
+class RunInfo:
+    """What a rank tells its sink about the run at start-up (``Sink.write_run``).
+
+    ``attempt`` starts at 1 and grows by one on every resume; ``resumed_from_iteration`` is the
+    checkpoint iteration an attempt continues from (None for a fresh start): records of earlier
+    attempts for later iterations are superseded. ``coords``/``layers`` are this rank's topology
+    row (global 0-based layer numbers it holds).
+    """
+
+    run_id: str
+    attempt: int
+    resumed_from_iteration: int | None
+    config: dict[str, Any]
+    versions: dict[str, str] = field(default_factory=default_versions)
+    coords: ParallelCoords = field(default_factory=ParallelCoords)
+    layers: Sequence[int] = ()
+    world_size: int = 1
+    hostname: str = field(default_factory=socket.gethostname)
+    started_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o))
+
+
+def runs_table(info: RunInfo) -> pa.Table:
+    return pa.Table.from_pylist([{
+        "run_id": info.run_id, "attempt": int(info.attempt),
+        "resumed_from_iteration": -1 if info.resumed_from_iteration is None else int(info.resumed_from_iteration),
+        "started_at": info.started_at, "rank": int(info.coords.rank), "world_size": int(info.world_size),
+        "hostname": info.hostname, "config_json": _json(info.config), "versions_json": _json(info.versions),
+    }], schema=S.RUNS_SCHEMA)
+
+
+def topology_table(info: RunInfo) -> pa.Table:
+    row = {"run_id": info.run_id, "attempt": int(info.attempt), "layers": [int(x) for x in info.layers],
+           "hostname": info.hostname}
+    row.update({k: int(v) for k, v in dataclasses.asdict(info.coords).items()})
+    return pa.Table.from_pylist([row], schema=S.TOPOLOGY_SCHEMA)
+
+
+def drops_table(items: Sequence[tuple[RecordKey, str, datetime]]) -> pa.Table:
+    cols: dict[str, list] = {n: [] for n in S.DROPS_SCHEMA.names}
+    for key, reason, when in items:
+        for k, v in key.flat().items():
+            cols[k].append(v)
+        cols["reason"].append(reason)
+        cols["dropped_at"].append(when)
+    return pa.Table.from_pydict(cols, schema=S.DROPS_SCHEMA)
+
+
+def report_table(run_id: str, attempt: int, rank: int, report: DMISinkReport) -> pa.Table:
+    return pa.Table.from_pylist([{
+        "run_id": run_id, "attempt": int(attempt), "rank": int(rank), "sink": report.sink,
+        "records_written": report.records_written, "bytes_written": report.bytes_written,
+        "records_spooled": report.records_spooled, "bytes_spooled": report.bytes_spooled,
+        "records_dropped": report.records_dropped, "bytes_dropped": report.bytes_dropped,
+        "errors": [e[:2000] for e in report.errors[:100]], "closed_at": datetime.now(timezone.utc),
+    }], schema=S.REPORTS_SCHEMA)

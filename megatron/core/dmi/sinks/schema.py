@@ -1,0 +1,224 @@
+"""The DMI store schema: one place that renders the ClickHouse DDL and the Arrow schemas.
+
+Both the embedded chDB store and a ClickHouse server use exactly this SQL, and every table is fed
+with Arrow tables of exactly these schemas (spool segments are Parquet files of the same schemas),
+so the two paths cannot drift apart.
+
+Bump ``SCHEMA_VERSION`` whenever a table or column changes; a store of another version is refused
+with an error naming both versions.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pyarrow as pa
+
+from megatron.core.dmi.records import KEY_COLUMNS, TENSOR_SCHEMA
+
+SCHEMA_VERSION = 1
+DEFAULT_DATABASE = "dmi"
+
+_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+
+
+class SchemaVersionError(RuntimeError):
+    """The store was written with another DMI schema version."""
+
+
+class IdentifierError(ValueError):
+    """A database or table name that is not a plain identifier."""
+
+
+def check_identifier(name: str, what: str = "identifier") -> str:
+    """Accept only ``[A-Za-z_][A-Za-z0-9_]{0,62}``: identifiers are spliced into SQL text, so
+    nothing else (quotes, dots, spaces, backticks, unicode look-alikes) may pass."""
+    if not isinstance(name, str) or not _IDENT_RE.fullmatch(name):
+        raise IdentifierError(f"invalid {what} {name!r}: use letters, digits and '_' (not starting with a digit), at most 63 characters")
+    return name
+
+
+def qualified(database: str, table: str) -> str:
+    return f"{check_identifier(database, 'database name')}.{check_identifier(table, 'table name')}"
+
+
+# --------------------------------------------------------------------------------------------
+# Arrow schemas of the non-tensor kinds (spool segments and inserts)
+# --------------------------------------------------------------------------------------------
+
+_TS = pa.timestamp("ms", tz="UTC")
+
+RUNS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("attempt", pa.int32()),
+    ("resumed_from_iteration", pa.int64()),  # -1: a fresh start
+    ("started_at", _TS),
+    ("rank", pa.int32()),  # the rank that wrote this row (every rank writes one; they collapse)
+    ("world_size", pa.int32()),
+    ("hostname", pa.string()),
+    ("config_json", pa.string()),
+    ("versions_json", pa.string()),
+])
+
+TOPOLOGY_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("attempt", pa.int32()),
+    ("rank", pa.int32()),
+    ("tp", pa.int32()),
+    ("pp", pa.int32()),
+    ("vpp", pa.int32()),
+    ("dp", pa.int32()),
+    ("cp", pa.int32()),
+    ("ep", pa.int32()),
+    ("etp", pa.int32()),
+    ("layers", pa.list_(pa.int32())),
+    ("hostname", pa.string()),
+])
+
+DROPS_SCHEMA = pa.schema(KEY_COLUMNS + [("reason", pa.string()), ("dropped_at", _TS)])
+
+REPORTS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("attempt", pa.int32()),
+    ("rank", pa.int32()),
+    ("sink", pa.string()),
+    ("records_written", pa.int64()),
+    ("bytes_written", pa.int64()),
+    ("records_spooled", pa.int64()),
+    ("bytes_spooled", pa.int64()),
+    ("records_dropped", pa.int64()),
+    ("bytes_dropped", pa.int64()),
+    ("errors", pa.list_(pa.string())),
+    ("closed_at", _TS),
+])
+
+EXPERT_COUNTS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("phase", pa.string()),
+    ("iteration", pa.int64()),
+    ("attempt", pa.int32()),
+    ("microbatch", pa.int32()),
+    ("invocation", pa.int8()),
+    ("layer", pa.int32()),
+    ("rank", pa.int32()),
+    ("dp", pa.int32()),
+    ("token_start", pa.int64()),
+    ("token_end", pa.int64()),
+    ("token_total", pa.int64()),
+    ("expert", pa.int32()),
+    ("tokens_pre", pa.int64()),
+    ("tokens_post", pa.int64()),
+])
+
+SEGMENTS_SCHEMA = pa.schema([
+    ("segment_id", pa.string()),
+    ("path", pa.string()),
+    ("kind", pa.string()),
+    ("rank", pa.int32()),
+    ("rows", pa.int64()),
+    ("bytes", pa.int64()),
+    ("status", pa.string()),  # ok | corrupt
+    ("error", pa.string()),
+    ("ingested_at", _TS),
+])
+
+# Kinds of spool segments and the table each one feeds.
+KIND_SCHEMAS: dict[str, pa.Schema] = {
+    "tensors": TENSOR_SCHEMA,
+    "runs": RUNS_SCHEMA,
+    "topology": TOPOLOGY_SCHEMA,
+    "drops": DROPS_SCHEMA,
+    "reports": REPORTS_SCHEMA,
+}
+TABLE_SCHEMAS: dict[str, pa.Schema] = dict(KIND_SCHEMAS, expert_counts=EXPERT_COUNTS_SCHEMA, segments=SEGMENTS_SCHEMA)
+
+# --------------------------------------------------------------------------------------------
+# ClickHouse DDL
+# --------------------------------------------------------------------------------------------
+
+_LOW_CARD = {"run_id", "phase", "output", "dtype", "kind", "status", "reason", "sink", "hostname"}
+_CODECS = {
+    # ints that grow slowly along the sort order
+    "iteration": "CODEC(Delta, ZSTD(1))",
+    "token_start": "CODEC(T64, ZSTD(1))",
+    "token_end": "CODEC(T64, ZSTD(1))",
+    "token_total": "CODEC(T64, ZSTD(1))",
+    "nbytes": "CODEC(T64, ZSTD(1))",
+    "tokens_pre": "CODEC(T64, ZSTD(1))",
+    "tokens_post": "CODEC(T64, ZSTD(1))",
+    "payload": "CODEC(ZSTD(1))",
+    "config_json": "CODEC(ZSTD(3))",
+}
+_SMALL_INT_CODEC = "CODEC(T64, ZSTD(1))"
+
+
+def _ch_type(name: str, t: pa.DataType) -> str:
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return f"Array({_ch_type('', t.value_type)})"
+    if pa.types.is_timestamp(t):
+        return "DateTime64(3, 'UTC')"
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return "LowCardinality(String)" if name in _LOW_CARD else "String"
+    ints = {pa.int8(): "Int8", pa.int16(): "Int16", pa.int32(): "Int32", pa.int64(): "Int64",
+            pa.uint8(): "UInt8", pa.uint16(): "UInt16", pa.uint32(): "UInt32", pa.uint64(): "UInt64"}
+    if t in ints:
+        return ints[t]
+    if pa.types.is_float64(t):
+        return "Float64"
+    raise TypeError(f"no ClickHouse type for {name}: {t}")
+
+
+def _columns(schema: pa.Schema) -> str:
+    cols = []
+    for f in schema:
+        ch = _ch_type(f.name, f.type)
+        codec = _CODECS.get(f.name)
+        if codec is None and ch in ("Int32", "Int16", "UInt32") and f.name not in ("checksum",):
+            codec = _SMALL_INT_CODEC
+        cols.append(f"    {f.name} {ch}" + (f" {codec}" if codec else ""))
+    return ",\n".join(cols)
+
+
+# ORDER BY of each table. ReplacingMergeTree collapses rows with equal sort keys, so the sort key
+# must identify a row completely: re-ingesting a segment (crash between insert and bookkeeping,
+# spool replay) then leaves exactly one copy under FINAL.
+ORDER_BY: dict[str, tuple[str, ...]] = {
+    "tensors": ("run_id", "phase", "output", "layer", "iteration", "microbatch", "dp", "invocation",
+                "attempt", "rank", "shard_index", "token_start"),
+    "expert_counts": ("run_id", "phase", "layer", "iteration", "microbatch", "dp", "invocation",
+                      "attempt", "token_start", "token_end", "rank", "expert"),
+    "runs": ("run_id", "attempt"),
+    "topology": ("run_id", "attempt", "rank"),
+    "drops": ("run_id", "attempt", "rank", "phase", "iteration", "microbatch", "layer", "output",
+              "invocation", "shard_index", "token_start"),
+    "reports": ("run_id", "attempt", "rank", "sink"),
+    "segments": ("segment_id",),
+}
+
+TABLES = ("tensors", "expert_counts", "runs", "topology", "drops", "reports", "segments")
+
+
+def ddl(database: str = DEFAULT_DATABASE) -> list[str]:
+    """Statements that create the database and every table (idempotent: IF NOT EXISTS)."""
+    db = check_identifier(database, "database name")
+    out = [f"CREATE DATABASE IF NOT EXISTS {db}"]
+    out.append(
+        f"CREATE TABLE IF NOT EXISTS {db}.schema_version (\n    version UInt32,\n"
+        f"    created_at DateTime64(3, 'UTC') DEFAULT now64(3)\n) ENGINE = ReplacingMergeTree ORDER BY version"
+    )
+    for table in TABLES:
+        schema = TABLE_SCHEMAS[table]
+        order = ", ".join(ORDER_BY[table])
+        out.append(
+            f"CREATE TABLE IF NOT EXISTS {qualified(db, table)} (\n{_columns(schema)}\n)"
+            f" ENGINE = ReplacingMergeTree ORDER BY ({order})"
+        )
+    return out
+
+
+def version_mismatch(found: int, where: str) -> SchemaVersionError:
+    return SchemaVersionError(
+        f"DMI store {where} has schema version {found}, but this megatron-dmi reads and writes schema "
+        f"version {SCHEMA_VERSION}; open it with a matching megatron-dmi release or load its spool files "
+        f"into a new store"
+    )

@@ -1,0 +1,379 @@
+"""The concrete sinks: spool files, embedded chDB (spool + per-node ingester), ClickHouse server
+(direct inserts, spool fallback and replay) and a null sink.
+
+Threading: the drain thread calls ``write``; the training thread may call ``write_run``,
+``write_drops``, ``flush`` and ``close`` at the same time. Buffers sit behind a short lock; file
+and database I/O is serialised by a second lock, so ``write_drops`` never waits for I/O.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+import warnings
+from datetime import datetime, timezone
+from typing import Sequence
+
+import pyarrow as pa
+
+from megatron.core.dmi.records import ParallelCoords, Record, RecordKey, records_to_table
+from megatron.core.dmi.sinks import schema as S
+from megatron.core.dmi.sinks.backend import BackendError, ServerBackend, redact
+from megatron.core.dmi.sinks.base import Sink
+from megatron.core.dmi.sinks.ingest import IngesterThread, IngestResult, ingest_spool, load_table
+from megatron.core.dmi.sinks.meta import (
+    DMISinkReport,
+    RunInfo,
+    drops_table,
+    report_table,
+    runs_table,
+    topology_table,
+)
+from megatron.core.dmi.sinks.spool import SpoolWriter
+
+log = logging.getLogger("megatron.core.dmi.sinks")
+
+
+class DMISink(Sink):
+    """Base of every DMI sink: the Sink contract plus run metadata and drops."""
+
+    name = "base"
+
+    def __init__(self, run_id: str, coords: ParallelCoords):
+        self.run_id = run_id
+        self.coords = coords
+        self.attempt = 0
+        self.report = DMISinkReport(sink=self.name)
+        self._closed = False
+        self._buf_lock = threading.Lock()
+
+    def write_run(self, info: RunInfo) -> None:
+        """Record the run/attempt, its config and versions, and this rank's topology row."""
+        self.attempt = int(info.attempt)
+
+    def write_drops(self, keys: Sequence[RecordKey], reason: str) -> None:
+        """Record the keys of records lost before reaching the sink (e.g. ring full)."""
+
+    def final_ingest(self) -> IngestResult | None:
+        return None
+
+    def _error(self, msg: str) -> None:
+        with self._buf_lock:
+            self.report.errors.append(msg)
+
+
+class NullSink(DMISink):
+    """``--dmi-persist none``: counts and discards (for overhead measurements)."""
+
+    name = "none"
+
+    def write(self, records: list[Record]) -> None:
+        n = sum(len(r.payload) for r in records)
+        with self._buf_lock:
+            self.report.records_discarded += len(records)
+            self.report.bytes_discarded += n
+
+    def write_drops(self, keys, reason):
+        with self._buf_lock:
+            self.report.drops_recorded += len(keys)
+
+    def close(self) -> DMISinkReport:
+        self._closed = True
+        return self.report
+
+
+class _BufferedSink(DMISink):
+    """Buffers records into segments of ``segment_bytes``/``segment_records`` (or older than
+    ``segment_seconds`` at the next write) and hands each to ``_emit``."""
+
+    def __init__(self, run_id: str, coords: ParallelCoords, spool_root: str, *,
+                 segment_bytes: int = 64 << 20, segment_records: int = 8192, segment_seconds: float = 5.0):
+        super().__init__(run_id, coords)
+        self.spool_root = spool_root
+        self.spool = SpoolWriter(spool_root, coords.rank, run_id)
+        self.segment_bytes = segment_bytes
+        self.segment_records = segment_records
+        self.segment_seconds = segment_seconds
+        self._buf: list[Record] = []
+        self._buf_bytes = 0
+        self._buf_since = 0.0
+        self._drops: list[tuple[RecordKey, str, datetime]] = []
+        self._io_lock = threading.Lock()
+
+    # -- contract ---------------------------------------------------------------------------
+    def write(self, records: list[Record]) -> None:
+        if not records:
+            return
+        with self._buf_lock:
+            if self._closed:
+                self.report.records_dropped += len(records)
+                self.report.bytes_dropped += sum(len(r.payload) for r in records)
+                self.report.errors.append(f"{len(records)} record(s) written after close() were dropped")
+                return
+            if not self._buf:
+                self._buf_since = time.monotonic()
+            self._buf.extend(records)
+            self._buf_bytes += sum(len(r.payload) for r in records)
+            due = (self._buf_bytes >= self.segment_bytes or len(self._buf) >= self.segment_records
+                   or time.monotonic() - self._buf_since >= self.segment_seconds)
+        if due:
+            self._drain_buffers(records_only=True)
+
+    def write_run(self, info: RunInfo) -> None:
+        super().write_run(info)
+        with self._io_lock:
+            self._emit_meta("runs", runs_table(info))
+            self._emit_meta("topology", topology_table(info))
+
+    def write_drops(self, keys: Sequence[RecordKey], reason: str) -> None:
+        now = datetime.now(timezone.utc)
+        with self._buf_lock:
+            self._drops.extend((k, reason, now) for k in keys)
+            self.report.drops_recorded += len(keys)
+
+    def flush(self) -> None:
+        self._drain_buffers(records_only=False)
+
+    def close(self) -> DMISinkReport:
+        with self._buf_lock:
+            if self._closed:
+                return self.report
+        self.flush()
+        with self._buf_lock:
+            self._closed = True
+        self._before_report()
+        with self._io_lock:
+            self._emit_meta("reports", report_table(self.run_id, self.attempt, self.coords.rank, self.report))
+        self._after_close()
+        if self.report.records_dropped:
+            log.warning("DMI sink (rank %d): %s", self.coords.rank, self.report.summary())
+        return self.report
+
+    # -- internals --------------------------------------------------------------------------
+    def _before_report(self) -> None:
+        pass
+
+    def _after_close(self) -> None:
+        pass
+
+    def _drain_buffers(self, records_only: bool) -> None:
+        with self._io_lock:
+            with self._buf_lock:
+                batch, self._buf, self._buf_bytes = self._buf, [], 0
+                drops = []
+                if not records_only:
+                    drops, self._drops = self._drops, []
+            if batch:
+                if self.attempt == 0:
+                    self.attempt = max(r.key.attempt for r in batch)
+                table = records_to_table(batch)
+                self._emit_records(table, len(batch), sum(len(r.payload) for r in batch))
+            if drops:
+                self._emit_meta("drops", drops_table(drops))
+
+    def _spool(self, kind: str, table: pa.Table) -> bool:
+        """Write a segment; on a full or failing disk warn loudly and return False."""
+        try:
+            self.spool.write(kind, table)
+            return True
+        except OSError as e:
+            what = "disk full" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
+            msg = (f"DMI rank {self.coords.rank}: cannot write a {kind} spool segment of {table.num_rows} rows "
+                   f"to {self.spool.dir} ({what}); those rows are DROPPED")
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+            log.error(msg)
+            self._error(msg)
+            return False
+
+    def _emit_records(self, table: pa.Table, n: int, nbytes: int) -> None:
+        raise NotImplementedError
+
+    def _emit_meta(self, kind: str, table: pa.Table) -> None:
+        raise NotImplementedError
+
+
+class SpoolSink(_BufferedSink):
+    """``--dmi-persist spool``: Parquet segments only; ``python -m megatron.core.dmi load`` loads
+    them into a store later."""
+
+    name = "spool"
+
+    def _emit_records(self, table, n, nbytes):
+        ok = self._spool("tensors", table)
+        with self._buf_lock:
+            if ok:
+                self.report.records_written += n
+                self.report.bytes_written += nbytes
+            else:
+                self.report.records_dropped += n
+                self.report.bytes_dropped += nbytes
+
+    def _emit_meta(self, kind, table):
+        self._spool(kind, table)
+
+
+class EmbeddedSink(SpoolSink):
+    """``--dmi-persist clickhouse`` without a URL: every rank spools; the node's ingester (local
+    rank 0) loads all ranks' segments into the embedded chDB store ``<store_dir>/chdb`` from a
+    background thread. ``close()`` on the ingester does the final pass, so close every other rank
+    first (the training integration barriers before rank 0's close)."""
+
+    name = "chdb"
+
+    def __init__(self, store_dir: str, run_id: str, coords: ParallelCoords, is_ingester: bool,
+                 database: str = S.DEFAULT_DATABASE, ingest_poll_s: float = 2.0, **kw):
+        super().__init__(run_id, coords, os.path.join(store_dir, "spool"), **kw)
+        self.store_dir = store_dir
+        self.is_ingester = is_ingester
+        self.ingester: IngesterThread | None = None
+        if is_ingester:
+            self.ingester = IngesterThread(store_dir, database, poll_s=ingest_poll_s).start()
+            self.report.errors.extend(self.ingester.result.errors)
+
+    def _emit_records(self, table, n, nbytes):
+        super()._emit_records(table, n, nbytes)
+        if self.ingester is not None:
+            self.ingester.wake()
+
+    def _before_report(self) -> None:
+        # Ingest everything (all ranks closed) before our own report, so its counts are final.
+        if self.ingester is not None:
+            self._final_pass(close=False)
+
+    def _after_close(self) -> None:
+        if self.ingester is not None:
+            self._final_pass(close=True)
+            self.ingester = None
+
+    def _final_pass(self, close: bool) -> None:
+        r = self.ingester.final_ingest(close=close)
+        with self._buf_lock:
+            self.report.segments_ingested = self.ingester.result.segments_loaded
+            self.report.segments_corrupt = self.ingester.result.segments_corrupt
+            for e in r.errors:
+                if e not in self.report.errors:
+                    self.report.errors.append(e)
+
+    def final_ingest(self) -> IngestResult | None:
+        """Load every rank's remaining segments now (idempotent; also done by close())."""
+        if self.ingester is None:
+            if not self.is_ingester:
+                return None
+            self.ingester = IngesterThread(self.store_dir).start()
+            r = self.ingester.final_ingest(close=True)
+            self.ingester = None
+            return r
+        return self.ingester.final_ingest(close=False)
+
+
+class ServerSink(_BufferedSink):
+    """``--dmi-clickhouse-url``: every rank inserts into the server with the same SQL and Arrow
+    encoding as the embedded store. On a connection or insert error the batch goes to the local
+    spool; spooled segments are replayed (oldest first) when the server answers again."""
+
+    name = "clickhouse"
+
+    def __init__(self, url: str, run_id: str, coords: ParallelCoords, spool_root: str, *,
+                 database: str = S.DEFAULT_DATABASE, password: str | None = None,
+                 retry_initial_s: float = 5.0, retry_max_s: float = 60.0, connect_timeout: float = 3.0,
+                 segment_bytes: int = 16 << 20, **kw):
+        super().__init__(run_id, coords, spool_root, segment_bytes=segment_bytes, **kw)
+        self.backend = ServerBackend(url, database, password, connect_timeout=connect_timeout)
+        self._password = self.backend._password
+        self.retry_initial_s = retry_initial_s
+        self.retry_max_s = retry_max_s
+        self._retry_s = retry_initial_s
+        self._next_retry = 0.0
+        self._up = False
+        self._spooled_rows = 0
+        self._spooled_bytes = 0
+        with self._io_lock:
+            self._try_connect()
+
+    def _down(self, e: Exception) -> None:
+        if self._up:
+            warnings.warn(f"DMI: ClickHouse server unavailable, spooling locally to {self.spool.dir}: "
+                          f"{redact(str(e), self._password)}", RuntimeWarning, stacklevel=4)
+        self._up = False
+        self._next_retry = time.monotonic() + self._retry_s
+        self._retry_s = min(self.retry_max_s, self._retry_s * 2)
+        msg = redact(str(e), self._password)
+        with self._buf_lock:
+            if msg not in self.report.errors:
+                self.report.errors.append(msg[:2000])
+
+    def _try_connect(self) -> bool:
+        """(Re)connect, create the schema and replay this rank's spool. Caller holds _io_lock."""
+        try:
+            self.backend.ensure_schema()
+            self._up = True
+            self._retry_s = self.retry_initial_s
+            self._replay()
+            return True
+        except S.SchemaVersionError:
+            raise
+        except Exception as e:
+            self._down(e)
+            return False
+
+    def _replay(self) -> None:
+        r = ingest_spool(self.backend, self.spool_root, ranks={self.coords.rank}, delete=True)
+        if r.records or r.segments_loaded:
+            log.info("DMI: replayed %d spooled segment(s) (%d records) into ClickHouse", r.segments_loaded, r.records)
+        with self._buf_lock:
+            self.report.records_replayed += r.records
+            self.report.errors.extend(r.errors)
+
+    def _available(self) -> bool:
+        if not self._up and time.monotonic() >= self._next_retry:
+            self._try_connect()
+        return self._up
+
+    def _put(self, kind: str, table: pa.Table) -> str:
+        if self._available():
+            try:
+                load_table(self.backend, kind, table)
+                return "written"
+            except BackendError as e:
+                self._down(e)
+        return "spooled" if self._spool(kind, table) else "dropped"
+
+    def _emit_records(self, table, n, nbytes):
+        where = self._put("tensors", table)
+        with self._buf_lock:
+            if where == "written":
+                self.report.records_written += n
+                self.report.bytes_written += nbytes
+            elif where == "spooled":
+                self._spooled_rows += n
+                self._spooled_bytes += nbytes
+            else:
+                self.report.records_dropped += n
+                self.report.bytes_dropped += nbytes
+
+    def _emit_meta(self, kind, table):
+        self._put(kind, table)
+
+    def _before_report(self) -> None:
+        with self._io_lock:
+            if not self._up:
+                self._next_retry = 0.0  # one last attempt at close
+                self._available()
+            # Whatever was replayed has reached the server; the rest waits in the spool.
+            with self._buf_lock:
+                replayed = min(self.report.records_replayed, self._spooled_rows)
+                frac = replayed / self._spooled_rows if self._spooled_rows else 0.0
+                self.report.records_written += replayed
+                self.report.bytes_written += int(self._spooled_bytes * frac)
+                self.report.records_spooled = self._spooled_rows - replayed
+                self.report.bytes_spooled = self._spooled_bytes - int(self._spooled_bytes * frac)
+            if self.report.records_spooled:
+                log.warning("DMI rank %d: %d record(s) remain spooled in %s; load them with "
+                            "`python -m megatron.core.dmi load %s --store <dir-or-url>`",
+                            self.coords.rank, self.report.records_spooled, self.spool.dir, self.spool_root)
+
+    def _after_close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,215 @@
+"""Spool segments: per-rank Parquet files that are complete or absent, never half written.
+
+Layout under a store directory::
+
+    <store_dir>/spool/rank-<global rank 05d>/<seq 08d>.parquet          tensor records
+    <store_dir>/spool/rank-<global rank 05d>/<kind>-<seq 08d>.parquet   runs, topology, drops, reports
+
+A segment is written to a hidden temporary name in the same folder, fsync'd, renamed to its final
+name and the folder fsync'd, so a crash leaves either the whole segment or only a ``.tmp`` file
+that nothing reads. Each segment carries a unique id in its Parquet metadata: ingesting is
+idempotent by that id, whatever the file is called.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+import uuid
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from megatron.core.dmi.sinks import schema as S
+
+SEGMENT_RE = re.compile(r"^(?:(?P<kind>[a-z_]+)-)?(?P<seq>\d{8})\.parquet$")
+RANK_DIR_RE = re.compile(r"^rank-(?P<rank>\d{5,})$")
+META_ID = b"dmi.segment_id"
+META_KIND = b"dmi.kind"
+META_VERSION = b"dmi.schema_version"
+META_RANK = b"dmi.rank"
+META_RUN = b"dmi.run_id"
+
+# Columns small enough to profit from dictionary encoding in Parquet; payload never does.
+_DICT_COLUMNS = ["run_id", "phase", "output", "dtype", "reason", "hostname", "sink"]
+
+
+class CorruptSegmentError(RuntimeError):
+    pass
+
+
+def rank_dir(spool_root: str, rank: int) -> str:
+    return os.path.join(spool_root, f"rank-{rank:05d}")
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class SpoolWriter:
+    """Writes one rank's segments. Thread-safe (the drain thread and the training thread share it)."""
+
+    def __init__(self, spool_root: str, rank: int, run_id: str | None = None):
+        self.rank = rank
+        self.run_id = run_id or ""
+        self.dir = rank_dir(spool_root, rank)
+        self._lock = threading.Lock()
+        self._dir_ready = False
+        self._seq = None
+
+    def _prepare(self) -> None:
+        if self._dir_ready:
+            return
+        os.makedirs(self.dir, exist_ok=True)
+        # This folder belongs to this rank alone: a temporary file here is a leftover of a crash.
+        # Continue numbering after every segment already present (a resumed attempt may share it).
+        top = 0
+        for name in os.listdir(self.dir):
+            if name.startswith(".") and name.endswith(".tmp"):
+                try:
+                    os.unlink(os.path.join(self.dir, name))
+                except OSError:
+                    pass
+                continue
+            m = re.search(r"(\d{8})\.parquet", name)
+            if m:
+                top = max(top, int(m.group(1)))
+        self._seq = top
+        self._dir_ready = True
+
+    def write(self, kind: str, table: pa.Table) -> str:
+        """Write ``table`` as one segment of ``kind``; returns the final path. Raises OSError (e.g.
+        ENOSPC) with no partial file left behind."""
+        if kind not in S.KIND_SCHEMAS:
+            raise ValueError(f"unknown spool kind {kind!r}")
+        with self._lock:
+            self._prepare()
+            self._seq += 1
+            seq = self._seq
+            name = f"{seq:08d}.parquet" if kind == "tensors" else f"{kind}-{seq:08d}.parquet"
+            final = os.path.join(self.dir, name)
+            tmp = os.path.join(self.dir, f".{name}.{os.getpid()}.tmp")
+            meta = dict(table.schema.metadata or {})
+            meta.update({META_ID: uuid.uuid4().hex.encode(), META_KIND: kind.encode(),
+                         META_VERSION: str(S.SCHEMA_VERSION).encode(), META_RANK: str(self.rank).encode(),
+                         META_RUN: self.run_id.encode()})
+            table = table.replace_schema_metadata(meta)
+            try:
+                with open(tmp, "wb") as f:
+                    pq.write_table(
+                        table, f, compression="zstd",
+                        use_dictionary=[c for c in _DICT_COLUMNS if c in table.schema.names],
+                        write_statistics=[c for c in table.schema.names if c != "payload"],
+                        row_group_size=max(1, min(table.num_rows, 8192)),
+                    )
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.rename(tmp, final)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+            _fsync_dir(self.dir)
+            return final
+
+
+@dataclass(frozen=True)
+class Segment:
+    path: str
+    rank: int
+    kind: str
+    seq: int
+
+    @property
+    def size(self) -> int:
+        try:
+            return os.path.getsize(self.path)
+        except OSError:
+            return 0
+
+
+def list_segments(spool_root: str, ranks: set[int] | None = None) -> list[Segment]:
+    """Every complete segment under ``spool_root`` (a ``spool`` folder holding ``rank-*`` folders,
+    or a single ``rank-*`` folder), ordered by rank then sequence."""
+    out: list[Segment] = []
+    root = os.path.abspath(spool_root)
+    m = RANK_DIR_RE.match(os.path.basename(root))
+    folders = [(root, int(m.group("rank")))] if m else []
+    if not m and os.path.isdir(root):
+        for name in sorted(os.listdir(root)):
+            mm = RANK_DIR_RE.match(name)
+            if mm and os.path.isdir(os.path.join(root, name)):
+                folders.append((os.path.join(root, name), int(mm.group("rank"))))
+    for folder, rank in folders:
+        if ranks is not None and rank not in ranks:
+            continue
+        for name in os.listdir(folder):
+            sm = SEGMENT_RE.match(name)
+            if sm:
+                out.append(Segment(os.path.join(folder, name), rank, sm.group("kind") or "tensors", int(sm.group("seq"))))
+    out.sort(key=lambda s: (s.rank, s.seq))
+    return out
+
+
+def segment_id_of(seg: Segment, metadata: dict | None) -> str:
+    if metadata and META_ID in metadata:
+        return metadata[META_ID].decode()
+    st = os.stat(seg.path)
+    return "path:" + hashlib.sha1(f"{os.path.abspath(seg.path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+
+
+def peek_segment_id(seg: Segment) -> str:
+    """The segment's id from its footer alone (cheap); raises CorruptSegmentError."""
+    try:
+        md = pq.read_schema(seg.path).metadata
+    except Exception as e:
+        raise CorruptSegmentError(f"{seg.path}: unreadable Parquet footer ({type(e).__name__}: {e})") from None
+    return segment_id_of(seg, md)
+
+
+def read_segment(seg: Segment) -> pa.Table:
+    """Read and validate a whole segment against its kind's schema."""
+    expected = S.KIND_SCHEMAS[seg.kind]
+    try:
+        table = pq.read_table(seg.path)
+    except Exception as e:
+        raise CorruptSegmentError(f"{seg.path}: cannot read ({type(e).__name__}: {e})") from None
+    md = table.schema.metadata or {}
+    version = md.get(META_VERSION)
+    if version is not None and int(version) != S.SCHEMA_VERSION:
+        raise CorruptSegmentError(
+            f"{seg.path}: spool segment of schema version {int(version)}, this megatron-dmi loads version {S.SCHEMA_VERSION}"
+        )
+    if table.schema.names != expected.names:
+        raise CorruptSegmentError(f"{seg.path}: columns {table.schema.names} do not match the {seg.kind} schema")
+    try:
+        table = table.cast(expected.with_metadata(md))
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise CorruptSegmentError(f"{seg.path}: column types do not match the {seg.kind} schema ({e})") from None
+    return table
+
+
+def table_nbytes(table: pa.Table) -> int:
+    if "nbytes" in table.schema.names:
+        return int(pc.sum(table.column("nbytes")).as_py() or 0)
+    return 0
+
+
+__all__ = [
+    "SpoolWriter", "Segment", "list_segments", "read_segment", "peek_segment_id", "CorruptSegmentError", "rank_dir",
+]
