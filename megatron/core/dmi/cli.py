@@ -1,0 +1,305 @@
+"""``python -m megatron.core.dmi <command>``: look at what a run captured.
+
+Commands register through ``add_subcommand(name, setup, help)``; ``setup(parser)`` adds the
+command's arguments and sets ``func`` (a callable taking the parsed args, returning an exit code).
+Other modules can add commands (e.g. ``doctor``) by calling ``add_subcommand`` before ``main``,
+or by being listed in ``EXTRA_COMMAND_MODULES`` (imported lazily; each calls ``add_subcommand``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable
+
+SetupFn = Callable[[argparse.ArgumentParser], None]
+_COMMANDS: dict[str, tuple[SetupFn, str]] = {}
+# Modules that register more subcommands when imported (missing ones are skipped).
+EXTRA_COMMAND_MODULES = ["megatron.core.dmi.doctor"]
+
+
+def add_subcommand(name: str, setup: SetupFn, help: str) -> None:
+    _COMMANDS[name] = (setup, help)
+
+
+def _store_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("store", help="store directory (--dmi-store-dir) or ClickHouse URL http(s)://host:port")
+    p.add_argument("--database", default="dmi", help="database name (default: dmi)")
+
+
+def _run_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", dest="run_id", default=None, help="run id (default: the latest run)")
+
+
+def _open(args):
+    from megatron.core.dmi.reader import open_store
+
+    store = open_store(args.store, database=args.database, progress=sys.stderr.isatty())
+    r = store.ingest_result
+    if r.segments_loaded or r.segments_corrupt:
+        print(f"(loaded {r.segments_loaded} leftover spool segment(s), {r.records} record(s)"
+              + (f"; {r.segments_corrupt} corrupt segment(s) skipped" if r.segments_corrupt else "") + ")")
+        for e in r.errors:
+            print(f"  ! {e}")
+    return store
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _print_table(df, max_rows: int = 200) -> None:
+    import pandas as pd
+
+    with pd.option_context("display.max_rows", max_rows, "display.max_columns", 50, "display.width", 200):
+        print(df.to_string(index=False) if not df.empty else "(none)")
+
+
+# -- commands ---------------------------------------------------------------------------------
+def cmd_runs(args) -> int:
+    with _open(args) as store:
+        runs = store.runs()
+        if runs.empty:
+            print("no runs")
+            return 0
+        runs = runs.assign(size=[_fmt_bytes(int(b)) for b in runs["bytes"]]).drop(columns=["bytes"])
+        _print_table(runs)
+    return 0
+
+
+def _expert_load_table(store, run_id, iteration):
+    load = store.expert_load(run_id, iterations=[iteration])
+    if load.empty:
+        return None
+    post = load.pivot(index="layer", columns="expert", values="tokens_post")
+    pre = load.groupby("layer")["tokens_pre"].sum()
+    tot = post.sum(axis=1)
+    out = post.copy()
+    out.columns = [f"e{c}" for c in out.columns]
+    out["dropped"] = ((pre - tot) / pre.where(pre > 0)).fillna(0).map(lambda x: f"{x:.1%}")
+    out["max/mean"] = (post.max(axis=1) / post.mean(axis=1).where(post.mean(axis=1) > 0)).fillna(0).map(lambda x: f"{x:.2f}")
+    return out.reset_index()
+
+
+def cmd_show(args) -> int:
+    with _open(args) as store:
+        runs = store.runs()
+        if runs.empty:
+            print(f"no runs in {args.store}")
+            return 0
+        run_ids = [args.run_id] if args.run_id else list(runs["run_id"])
+        for run_id in run_ids:
+            d = store.describe(run_id)
+            print(d)
+            print("records per output:")
+            _print_table(d.outputs.assign(size=[_fmt_bytes(int(b)) for b in d.outputs["bytes"]])[
+                ["phase", "output", "records", "size", "n_iterations", "first_iteration", "last_iteration", "layers"]])
+            its = d.iterations.get("train", [])
+            load_its = sorted(store.expert_load(run_id)["iteration"].unique()) if its else []
+            it = args.iteration if args.iteration is not None else (int(load_its[-1]) if load_its else None)
+            if it is not None:
+                t = _expert_load_table(store, run_id, it)
+                if t is not None:
+                    print(f"expert load (tokens after capacity dropping) at iteration {it}:")
+                    _print_table(t)
+                else:
+                    print(f"no router.expert_counts at iteration {it}")
+            print()
+    return 0
+
+
+def cmd_describe(args) -> int:
+    with _open(args) as store:
+        d = store.describe(args.run_id)
+        print(d)
+        _print_table(d.outputs)
+        if args.config and d.config:
+            import json
+
+            print(json.dumps(d.config, indent=2, sort_keys=True))
+    return 0
+
+
+def cmd_tensor(args) -> int:
+    import torch
+
+    with _open(args) as store:
+        run_id = store.resolve_run(args.run_id)
+        t = store.tensor(run_id, args.output, args.iteration, args.microbatch, args.layer, args.phase, args.dp,
+                         args.invocation)
+    print(f"{args.output} run {run_id} iteration {args.iteration} microbatch {args.microbatch} layer {args.layer}: "
+          f"shape {list(t.shape)} dtype {str(t.dtype).replace('torch.', '')}")
+    if t.numel():
+        f = t.double()
+        print(f"  min {f.min().item():.6g}  max {f.max().item():.6g}  mean {f.mean().item():.6g}  "
+              f"std {f.std().item() if t.numel() > 1 else 0.0:.6g}  nan {int(torch.isnan(f).sum())}  inf {int(torch.isinf(f).sum())}")
+    if args.save:
+        torch.save(t, args.save)
+        print(f"  saved to {args.save}")
+    return 0
+
+
+def cmd_expert_load(args) -> int:
+    with _open(args) as store:
+        run_id = store.resolve_run(args.run_id)
+        if args.iteration is not None:
+            t = _expert_load_table(store, run_id, args.iteration)
+            print(f"expert load at iteration {args.iteration} (tokens after dropping):")
+            _print_table(t if t is not None else __import__("pandas").DataFrame())
+            return 0
+        load = store.expert_load(run_id, layers=args.layer)
+        if load.empty:
+            print("no router.expert_counts captured")
+            return 0
+        g = load.groupby(["iteration", "layer"])
+        s = g["tokens_post"].agg(["sum", "max", "mean"]).reset_index()
+        pre = g["tokens_pre"].sum().values
+        s["dropped"] = [f"{(p - q) / p:.1%}" if p else "0.0%" for p, q in zip(pre, s["sum"])]
+        s["max/mean"] = (s["max"] / s["mean"].where(s["mean"] > 0)).fillna(0).round(2)
+        _print_table(s.rename(columns={"sum": "tokens"}).drop(columns=["mean"]))
+    return 0
+
+
+def cmd_drops(args) -> int:
+    with _open(args) as store:
+        run_id = store.resolve_run(args.run_id)
+        drops = store.dropped_records(run_id)
+        print(f"records dropped before persistence in run {run_id}: {len(drops)}")
+        if not drops.empty:
+            _print_table(drops.groupby(["reason", "output"]).size().reset_index(name="records"))
+        rate = store.drop_rate(run_id)
+        if not rate.empty:
+            print("tokens dropped by the capacity factor:")
+            _print_table(rate)
+        reps = store.reports(run_id)
+        if not reps.empty:
+            print("sink reports:")
+            _print_table(reps[["attempt", "rank", "sink", "records_written", "records_spooled", "records_dropped"]])
+    return 0
+
+
+def cmd_load(args) -> int:
+    import os
+
+    from megatron.core.dmi.reader import open_store
+
+    src = args.source
+    if os.path.isdir(os.path.join(src, "spool")):
+        src = os.path.join(src, "spool")
+    if not os.path.isdir(src):
+        print(f"error: no spool directory at {args.source}", file=sys.stderr)
+        return 2
+    target = args.store_target
+    if "://" not in target:
+        os.makedirs(target, exist_ok=True)
+    with open_store(target, database=args.database, progress=sys.stderr.isatty()) as store:
+        r = store.load(src, delete=args.delete, progress=sys.stderr.isatty())
+    print(f"loaded {r.segments_loaded} segment(s): {r.records} record(s), {_fmt_bytes(r.payload_bytes)} of payload; "
+          f"{r.segments_skipped} already present, {r.segments_corrupt} corrupt")
+    for e in r.errors:
+        print(f"  ! {e}")
+    return 1 if r.segments_corrupt else 0
+
+
+def _setup_runs(p):
+    _store_arg(p)
+    p.set_defaults(func=cmd_runs)
+
+
+def _setup_show(p):
+    _store_arg(p)
+    _run_arg(p)
+    p.add_argument("--iteration", type=int, default=None, help="iteration for the expert load (default: the last one)")
+    p.set_defaults(func=cmd_show)
+
+
+def _setup_describe(p):
+    _store_arg(p)
+    _run_arg(p)
+    p.add_argument("--config", action="store_true", help="also print the run's DMI config")
+    p.set_defaults(func=cmd_describe)
+
+
+def _setup_tensor(p):
+    _store_arg(p)
+    _run_arg(p)
+    p.add_argument("--output", required=True, help="hook output, e.g. router.logits")
+    p.add_argument("--iteration", type=int, required=True)
+    p.add_argument("--layer", type=int, default=None, help="global layer (required when several were captured)")
+    p.add_argument("--microbatch", type=int, default=0)
+    p.add_argument("--phase", default="train", choices=["train", "valid"])
+    p.add_argument("--dp", type=int, default=0, help="data-parallel rank whose tokens to rebuild")
+    p.add_argument("--invocation", type=int, default=0, help="1 = activation-recompute replay")
+    p.add_argument("--save", default=None, help="write the tensor to this .pt file")
+    p.set_defaults(func=cmd_tensor)
+
+
+def _setup_expert_load(p):
+    _store_arg(p)
+    _run_arg(p)
+    p.add_argument("--iteration", type=int, default=None, help="one iteration as a layers x experts table")
+    p.add_argument("--layer", type=int, action="append", default=None, help="restrict to these layers")
+    p.set_defaults(func=cmd_expert_load)
+
+
+def _setup_drops(p):
+    _store_arg(p)
+    _run_arg(p)
+    p.set_defaults(func=cmd_drops)
+
+
+def _setup_load(p):
+    p.add_argument("source", help="spool directory (holding rank-* folders) or a store directory with spool/")
+    p.add_argument("--store", dest="store_target", required=True, help="target store directory or ClickHouse URL")
+    p.add_argument("--database", default="dmi")
+    p.add_argument("--delete", action="store_true", help="delete segments once loaded")
+    p.set_defaults(func=cmd_load)
+
+
+add_subcommand("show", _setup_show, "summary of a store: runs, records per output, expert load")
+add_subcommand("runs", _setup_runs, "list runs")
+add_subcommand("describe", _setup_describe, "what one run captured")
+add_subcommand("tensor", _setup_tensor, "rebuild one full tensor: shape, dtype, stats, optional .pt")
+add_subcommand("expert-load", _setup_expert_load, "tokens per expert per layer over iterations")
+add_subcommand("drops", _setup_drops, "dropped records and dropped-token rates")
+add_subcommand("load", _setup_load, "load spool segments into a store")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    for mod in EXTRA_COMMAND_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ImportError as e:
+            if getattr(e, "name", None) != mod:
+                raise
+    parser = argparse.ArgumentParser(prog="python -m megatron.core.dmi",
+                                     description="Inspect Megatron-DMI captures (runs, tensors, expert load).")
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    sub.required = True
+    for name, (setup, help_) in _COMMANDS.items():
+        setup(sub.add_parser(name, help=help_, description=help_))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron.core.dmi.reader import ReconstructionError, SchemaVersionError, StoreBusyError, StoreError
+    from megatron.core.dmi.sinks import BackendError, IdentifierError, ServerURLError
+
+    try:
+        return int(args.func(args) or 0)
+    except (StoreError, StoreBusyError, SchemaVersionError, ReconstructionError, BackendError, IdentifierError,
+            ServerURLError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

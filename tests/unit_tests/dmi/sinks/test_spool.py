@@ -1,0 +1,90 @@
+"""Spool segments: atomic, numbered, validated; disk full drops loudly; corrupt files detected."""
+
+import errno
+import os
+
+import pyarrow as pa
+import pytest
+
+from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.records import ParallelCoords, records_to_table, table_to_records
+from megatron.core.dmi.sinks import NullSink, SpoolSink, open_sink
+from megatron.core.dmi.sinks.spool import CorruptSegmentError, SpoolWriter, list_segments, read_segment
+from tests.unit_tests.dmi.sinks.workers import dtype_records, moe_records, run_info
+
+
+def test_segment_roundtrip_bitwise_and_layout(tmp_path):
+    recs = dtype_records()
+    w = SpoolWriter(str(tmp_path / "spool"), 3, "run-a")
+    path = w.write("tensors", records_to_table(recs))
+    assert path.endswith(os.path.join("spool", "rank-00003", "00000001.parquet"))
+    w.write("runs", pa.Table.from_pylist([], schema=__import__("megatron.core.dmi.sinks.schema", fromlist=["x"]).RUNS_SCHEMA))
+    assert sorted(os.listdir(tmp_path / "spool" / "rank-00003")) == ["00000001.parquet", "runs-00000002.parquet"]
+    segs = list_segments(str(tmp_path / "spool"))
+    assert [(s.rank, s.kind, s.seq) for s in segs] == [(3, "tensors", 1), (3, "runs", 2)]
+    back = table_to_records(read_segment(segs[0]))
+    assert [(r.key, r.payload) for r in back] == [(r.key, r.payload) for r in recs]
+
+
+def test_numbering_continues_and_stale_tmp_removed(tmp_path):
+    d = tmp_path / "spool" / "rank-00000"
+    d.mkdir(parents=True)
+    (d / "00000007.parquet").write_bytes(b"x")
+    (d / ".00000008.parquet.123.tmp").write_bytes(b"half")
+    w = SpoolWriter(str(tmp_path / "spool"), 0)
+    p = w.write("tensors", records_to_table(dtype_records()[:1]))
+    assert os.path.basename(p) == "00000008.parquet"
+    assert not (d / ".00000008.parquet.123.tmp").exists()
+
+
+def test_disk_full_counts_dropped_with_warning(tmp_path, monkeypatch):
+    sink = SpoolSink("run-a", ParallelCoords(), str(tmp_path / "spool"))
+    sink.write_run(run_info())
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sink.spool, "write", full)
+    recs = dtype_records()
+    with pytest.warns(RuntimeWarning, match="disk full"):
+        sink.write(recs)
+        sink.flush()
+    with pytest.warns(RuntimeWarning):
+        rep = sink.close()
+    assert rep.records_dropped == len(recs)
+    assert rep.bytes_dropped == sum(len(r.payload) for r in recs)
+    assert rep.records_written == 0
+    assert any("DROPPED" in e for e in rep.errors)
+    assert not [n for n in os.listdir(tmp_path / "spool" / "rank-00000") if n.endswith(".tmp")]
+
+
+def test_spool_sink_buffers_into_segments(tmp_path):
+    sink = open_sink(DMIConfig(persist="spool", store_dir=str(tmp_path)), ParallelCoords(rank=1), "run-a", False)
+    sink.segment_records = 10
+    recs = moe_records()  # 24 records
+    for i in range(0, len(recs), 4):
+        sink.write(recs[i:i + 4])
+    rep = sink.close()
+    assert rep.records_written == len(recs) and rep.records_dropped == 0
+    segs = [s for s in list_segments(str(tmp_path / "spool")) if s.kind == "tensors"]
+    assert len(segs) == 2  # 24 records in writes of 4: flushes at 12 and 24
+    got = [r for s in segs for r in table_to_records(read_segment(s))]
+    assert [(r.key, r.payload) for r in got] == [(r.key, r.payload) for r in recs]
+    assert any(s.kind == "reports" for s in list_segments(str(tmp_path / "spool")))
+
+
+def test_truncated_segment_detected(tmp_path):
+    w = SpoolWriter(str(tmp_path / "spool"), 0)
+    p = w.write("tensors", records_to_table(dtype_records()))
+    data = open(p, "rb").read()
+    open(p, "wb").write(data[: len(data) // 2])
+    with pytest.raises(CorruptSegmentError):
+        read_segment(list_segments(str(tmp_path / "spool"))[0])
+
+
+def test_null_sink_counts():
+    s = NullSink("r", ParallelCoords())
+    recs = dtype_records()
+    s.write(recs)
+    rep = s.close()
+    assert rep.records_discarded == len(recs) and rep.records_written == 0 and rep.records_dropped == 0

@@ -1,0 +1,162 @@
+"""Embedded chDB store end to end. chDB allows one store per process and one process per store, so
+every store is opened in a fresh process (run_isolated)."""
+
+import os
+import shutil
+import socket
+
+import pytest
+
+from megatron.core.dmi.sinks import SCHEMA_VERSION
+from megatron.core.dmi.sinks.isolated import run_isolated, run_parallel
+from tests.unit_tests.dmi.sinks import workers as W
+
+
+def test_roundtrip_bitwise_all_dtypes(tmp_path):
+    recs = W.dtype_records()
+    rep = run_isolated(W.write_embedded, str(tmp_path), recs, [W.run_info()])
+    assert rep["records_written"] == len(recs) and rep["records_dropped"] == 0 and not rep["errors"]
+    assert not os.listdir(tmp_path / "spool" / "rank-00000")  # the ingester consumed every segment
+    payloads = run_isolated(W.read_records, str(tmp_path), [r.key for r in recs])
+    assert payloads == [r.payload for r in recs]
+    assert [r.key.dtype for r in recs] == ["float32", "bfloat16", "float16", "int32", "int64", "float32"]
+    tensors = run_isolated(W.read_tensors, str(tmp_path), [dict(run_id=W.RUN, output=r.key.output, iteration=1, layer=r.key.layer) for r in recs])
+    for r, t in zip(recs, tensors):
+        ref = r.tensor()
+        assert t.dtype == ref.dtype and t.shape == ref.shape
+        assert t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes() == r.payload
+
+
+def test_spool_then_load_equals_direct_write(tmp_path):
+    recs = W.moe_records()
+    infos = [W.run_info()]
+    direct, spooled, target = tmp_path / "direct", tmp_path / "spooled", tmp_path / "loaded"
+    run_isolated(W.write_embedded, str(direct), recs, infos, drops=[recs[0].key])
+    run_isolated(W.write_spool, str(spooled), recs, infos)
+    rc, out = run_isolated(W.load_cli, ["load", str(spooled), "--store", str(target)])
+    assert rc == 0, out
+    assert f"{len(recs)} record(s)" in out
+    a = run_isolated(W.dump_store, str(direct), ("tensors", "expert_counts", "runs", "topology"))
+    b = run_isolated(W.dump_store, str(target), ("tensors", "expert_counts", "runs", "topology"))
+    for t in ("tensors", "expert_counts", "runs", "topology"):
+        assert a[t] == b[t], t
+    assert len(a["tensors"]) == len(recs)
+    # loading again is idempotent (segment ids known), and the source spool is left alone
+    rc, out = run_isolated(W.load_cli, ["load", str(spooled), "--store", str(target)])
+    assert rc == 0 and "0 segment(s)" in out
+    assert run_isolated(W.dump_store, str(target), ("tensors",))["tensors"] == a["tensors"]
+
+
+def test_two_ranks_one_reader(tmp_path):
+    r0 = W.moe_records(tp=1, seed=1)
+    r1 = [r for r in W.moe_records(tp=2, seed=1) if r.key.coords.rank == 1]
+    flag = str(tmp_path / "rank1-closed")
+    reps = run_parallel([
+        (W.write_embedded, (str(tmp_path), r0, [W.run_info(rank=0, world=2)], 0, True, flag)),
+        (W.write_rank_then_signal, (str(tmp_path), r1, 1, flag)),
+    ])
+    assert reps[0]["records_written"] == len(r0) and reps[1]["records_written"] == len(r1)
+    assert reps[0]["segments_ingested"] >= 4
+    for d in os.listdir(tmp_path / "spool"):  # the ingester's final pass took everything
+        assert not os.listdir(tmp_path / "spool" / d), d
+    dump = run_isolated(W.dump_store, str(tmp_path), ("tensors", "topology", "reports"))
+    assert len(dump["tensors"]) == len(r0) + len(r1)
+    assert {dict(r)["rank"] for r in dump["tensors"]} == {0, 1}
+    assert sorted(dict(r)["rank"] for r in dump["topology"]) == [0, 1]
+    assert sorted(dict(r)["rank"] for r in dump["reports"]) == [0, 1]
+    assert dump["_ingest"]["segments_loaded"] == 0
+
+
+def test_leftover_spool_ingested_by_reader(tmp_path):
+    """A crash before the final ingest: segments stay in the spool and the next reader loads them."""
+    recs = W.moe_records()
+    run_isolated(W.write_spool, str(tmp_path), recs, [W.run_info()])
+    dump = run_isolated(W.dump_store, str(tmp_path), ("tensors",))
+    assert len(dump["tensors"]) == len(recs)
+    assert dump["_ingest"]["records"] == len(recs)
+    assert not os.listdir(tmp_path / "spool" / "rank-00000")
+
+
+def _free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_server_unreachable_spools_and_loads_identically(tmp_path):
+    recs = W.moe_records()
+    infos = [W.run_info()]
+    url = f"http://127.0.0.1:{_free_port()}"
+    rep = run_isolated(W.write_server, str(tmp_path / "srv"), url, recs, infos)
+    assert rep["records_written"] == 0
+    assert rep["records_spooled"] == len(recs)
+    assert rep["bytes_spooled"] == sum(len(r.payload) for r in recs)
+    assert rep["records_dropped"] == 0 and rep["errors"]
+    segs = os.listdir(tmp_path / "srv" / "spool" / "rank-00000")
+    assert any(s.startswith("runs-") for s in segs) and any(s.startswith("reports-") for s in segs)
+    run_isolated(W.write_embedded, str(tmp_path / "direct"), recs, infos)
+    rc, out = run_isolated(W.load_cli, ["load", str(tmp_path / "srv"), "--store", str(tmp_path / "loaded")])
+    assert rc == 0, out
+    a = run_isolated(W.dump_store, str(tmp_path / "direct"), ("tensors", "expert_counts", "runs", "topology"))
+    b = run_isolated(W.dump_store, str(tmp_path / "loaded"), ("tensors", "expert_counts", "runs", "topology"))
+    for t in ("tensors", "expert_counts", "runs", "topology"):
+        assert a[t] == b[t], t
+
+
+def test_schema_version_mismatch(tmp_path):
+    run_isolated(W.write_embedded, str(tmp_path), W.dtype_records()[:1])
+    run_isolated(W.set_schema_version, str(tmp_path), SCHEMA_VERSION + 41)
+    kind, msg = run_isolated(W.open_store_error, str(tmp_path))
+    assert kind == "SchemaVersionError"
+    assert f"schema version {SCHEMA_VERSION + 41}" in msg and f"version {SCHEMA_VERSION}" in msg
+
+
+def test_corrupt_segment_reported_rest_loaded(tmp_path):
+    recs = W.moe_records()
+    run_isolated(W.write_spool, str(tmp_path), recs, [W.run_info()], 0, 4, 8)  # 3 tensor segments of 8
+    d = tmp_path / "spool" / "rank-00000"
+    tensor_segs = sorted(n for n in os.listdir(d) if n[0].isdigit())
+    assert len(tensor_segs) == 3
+    bad = d / tensor_segs[1]
+    data = bad.read_bytes()
+    bad.write_bytes(data[: len(data) - 100])  # truncated: footer gone
+    rc, out = run_isolated(W.load_cli, ["load", str(tmp_path), "--store", str(tmp_path / "other")])
+    assert rc == 1 and "1 corrupt" in out and tensor_segs[1] in out
+    dump = run_isolated(W.dump_store, str(tmp_path / "other"), ("tensors", "segments"))
+    assert len(dump["tensors"]) == len(recs) - 8
+    assert [dict(r)["status"] for r in dump["segments"]].count("corrupt") == 1
+    # opening the store itself (it owns the spool): the bad file is set aside as *.corrupt
+    dump = run_isolated(W.dump_store, str(tmp_path), ("tensors",))
+    assert dump["_ingest"]["segments_corrupt"] == 1 and len(dump["tensors"]) == len(recs) - 8
+    assert (d / (tensor_segs[1] + ".corrupt")).exists()
+
+
+def test_reingest_collapses_duplicates(tmp_path):
+    """The same records in two segments with different ids (e.g. a replayed batch) collapse under FINAL."""
+    recs = W.moe_records()
+    run_isolated(W.write_spool, str(tmp_path / "a"), recs, [W.run_info()])
+    run_isolated(W.write_spool, str(tmp_path / "b"), recs, [W.run_info()])
+    shutil.copytree(tmp_path / "b" / "spool" / "rank-00000", tmp_path / "a" / "spool" / "rank-00001")
+    dump = run_isolated(W.dump_store, str(tmp_path / "a"), ("tensors",))
+    assert dump["_ingest"]["segments_loaded"] >= 2
+    assert len(dump["tensors"]) == len(recs)
+
+
+def test_store_busy_error(tmp_path):
+    from megatron.core.dmi.sinks.backend import ChdbBackend, StoreBusyError
+
+    run_isolated(W.write_embedded, str(tmp_path), W.dtype_records()[:1])
+    b = run_isolated  # noqa: F841  (keep the parent free of chDB sessions)
+    import fcntl
+
+    fd = os.open(str(tmp_path / "chdb.lock"), os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.pwrite(fd, b"4242\n", 0)
+    try:
+        kind, msg = run_isolated(W.open_store_error, str(tmp_path))
+    finally:
+        os.close(fd)
+    assert kind == "StoreBusyError" and "4242" in msg
+    assert ChdbBackend and StoreBusyError

@@ -1,0 +1,226 @@
+"""Hand-built records and functions that run in their own process (chDB: one store per process).
+
+Every function here is module-level so ``run_isolated`` can ship it to a fresh process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import torch
+
+from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.records import ParallelCoords, Record, RecordKey, dtype_name, tensor_to_payload
+from megatron.core.dmi.sinks import RunInfo, open_sink
+
+RUN = "run-a"
+
+
+def make_key(output: str, t: torch.Tensor, *, run_id: str = RUN, phase: str = "train", iteration: int = 1,
+             attempt: int = 1, microbatch: int = 0, invocation: int = 0, layer: int = 0, rank: int = 0, tp: int = 0,
+             dp: int = 0, cp: int = 0, shard_index: int = 0, shard_count: int = 1, token_start: int = 0,
+             token_end: int | None = None, token_total: int | None = None) -> RecordKey:
+    n = t.shape[0] if t.dim() else 1
+    token_end = token_start + n if token_end is None else token_end
+    token_total = token_end if token_total is None else token_total
+    return RecordKey(run_id, phase, iteration, attempt, microbatch, invocation, layer, output,
+                     ParallelCoords(rank=rank, tp=tp, dp=dp, cp=cp), shard_index, shard_count, token_start, token_end,
+                     token_total, dtype_name(t.dtype), tuple(t.shape))
+
+
+def rec(output: str, t: torch.Tensor, **kw) -> Record:
+    return Record(make_key(output, t, **kw), tensor_to_payload(t))
+
+
+def dtype_records(seed: int = 0) -> list[Record]:
+    """One record per dtype, plus a zero-row record, at distinct layers."""
+    g = torch.Generator().manual_seed(seed)
+    ts = [
+        ("router.logits", torch.randn(16, 8, generator=g)),
+        ("router.logits", torch.randn(16, 8, generator=g).to(torch.bfloat16)),
+        ("router.topk_probs", torch.randn(16, 2, generator=g).to(torch.float16)),
+        ("router.topk_ids", torch.randint(0, 9, (16, 2), generator=g, dtype=torch.int32)),
+        ("router.topk_ids", torch.randint(-2**40, 2**40, (16, 2), generator=g, dtype=torch.int64)),
+        ("router.logits", torch.empty(0, 8)),
+    ]
+    out = []
+    for i, (name, t) in enumerate(ts):
+        # special float values survive bitwise too
+        if t.is_floating_point() and t.numel():
+            t = t.clone()
+            t.view(-1)[0] = float("nan")
+            t.view(-1)[1] = float("-inf")
+            t.view(-1)[2] = -0.0
+        out.append(rec(name, t, layer=i))
+    return out
+
+
+def moe_records(run_id: str = RUN, iterations=range(1, 4), layers=(0, 1), experts: int = 4, attempt: int = 1,
+                seed: int = 0, tp: int = 2, sp: bool = True, tokens: int = 8) -> list[Record]:
+    """A little MoE capture: per (iteration, layer) router.logits and router.expert_counts from
+    ``tp`` TP ranks; with ``sp`` each TP rank routes half of the tokens, else every rank routes all
+    of them (replicated producers)."""
+    out = []
+    g = torch.Generator().manual_seed(seed)
+    for it in iterations:
+        for layer in layers:
+            logits = torch.randn(tokens, experts, generator=g)
+            ids = logits.topk(2, dim=-1).indices
+            for r in range(tp):
+                if sp:
+                    lo, hi = r * tokens // tp, (r + 1) * tokens // tp
+                else:
+                    lo, hi = 0, tokens
+                part_ids = ids[lo:hi]
+                pre = torch.bincount(part_ids.reshape(-1), minlength=experts).to(torch.int32)
+                post = pre.clone()
+                post[0] = max(0, int(post[0]) - 1)  # one dropped slot on expert 0
+                counts = torch.stack([pre, post])
+                kw = dict(run_id=run_id, iteration=it, attempt=attempt, layer=layer, rank=r, tp=r,
+                          token_start=lo, token_end=hi, token_total=tokens)
+                out.append(rec("router.logits", logits[lo:hi].contiguous(), **kw))
+                out.append(Record(make_key("router.expert_counts", counts, **kw), tensor_to_payload(counts)))
+    return out
+
+
+def run_info(run_id: str = RUN, attempt: int = 1, resumed_from=None, rank: int = 0, layers=(0, 1), world: int = 1,
+             tp: int = 0) -> RunInfo:
+    return RunInfo(run_id, attempt, resumed_from, {"hooks": ["router"], "note": "test"},
+                   coords=ParallelCoords(rank=rank, tp=tp), layers=list(layers), world_size=world)
+
+
+# -- functions run in a fresh process ---------------------------------------------------------
+
+def write_embedded(store_dir: str, records: list[Record], infos: list[RunInfo] = (), rank: int = 0,
+                   is_ingester: bool = True, wait_for: str | None = None, drops=(), batch: int = 5) -> dict:
+    """One rank's EmbeddedSink: write everything, close; returns the report as a dict."""
+    cfg = DMIConfig(persist="clickhouse", store_dir=store_dir)
+    sink = open_sink(cfg, ParallelCoords(rank=rank), records[0].key.run_id if records else RUN, is_ingester)
+    for info in infos:
+        sink.write_run(info)
+    for i in range(0, len(records), batch):
+        sink.write(records[i:i + batch])
+    if drops:
+        sink.write_drops(list(drops), "ring full")
+    if wait_for:  # stands in for the training integration's barrier before rank 0's final ingest
+        deadline = time.time() + 60
+        while not os.path.exists(wait_for) and time.time() < deadline:
+            time.sleep(0.05)
+    return dataclasses.asdict(sink.close())
+
+
+def write_rank_then_signal(store_dir: str, records: list[Record], rank: int, flag: str) -> dict:
+    rep = write_embedded(store_dir, records, [run_info(rank=rank, world=2)], rank=rank, is_ingester=False)
+    open(flag, "w").close()
+    return rep
+
+
+def write_spool(store_dir: str, records: list[Record], infos: list[RunInfo] = (), rank: int = 0, batch: int = 5,
+                segment_records: int = 8192) -> dict:
+    cfg = DMIConfig(persist="spool", store_dir=store_dir)
+    sink = open_sink(cfg, ParallelCoords(rank=rank), RUN, False)
+    sink.segment_records = segment_records
+    for info in infos:
+        sink.write_run(info)
+    for i in range(0, len(records), batch):
+        sink.write(records[i:i + batch])
+    return dataclasses.asdict(sink.close())
+
+
+def write_server(store_dir: str, url: str, records: list[Record], infos: list[RunInfo] = ()) -> dict:
+    cfg = DMIConfig(persist="clickhouse", store_dir=store_dir, clickhouse_url=url)
+    sink = open_sink(cfg, ParallelCoords(rank=0), RUN, True)
+    for info in infos:
+        sink.write_run(info)
+    for i in range(0, len(records), 4):
+        sink.write(records[i:i + 4])
+    return dataclasses.asdict(sink.close())
+
+
+def read_records(store_dir: str, keys: list[RecordKey]) -> list[bytes]:
+    """Payload bytes of one record per key (the records must be unsharded)."""
+    from megatron.core.dmi.reader import open_store
+
+    with open_store(store_dir) as store:
+        out = []
+        for k in keys:
+            recs = store.records(k.run_id, k.output, k.iteration, k.microbatch, k.layer, k.phase, k.coords.dp, k.invocation)
+            assert len(recs) == 1, recs
+            assert recs[0].key == k, (recs[0].key, k)
+            out.append(recs[0].payload)
+        return out
+
+
+def read_tensors(store_dir: str, queries: list[dict]) -> list:
+    """``store.tensor(**q)`` for each query; exceptions come back as ('error', type, message)."""
+    from megatron.core.dmi.reader import open_store
+
+    with open_store(store_dir) as store:
+        out = []
+        for q in queries:
+            try:
+                out.append(store.tensor(**q))
+            except Exception as e:
+                out.append(("error", type(e).__name__, str(e)))
+        return out
+
+
+def dump_store(store_dir: str, tables=("tensors", "expert_counts", "runs", "topology", "drops")) -> dict:
+    """Every row of the given tables (FINAL, without timestamps/hostnames), sorted, for comparison."""
+    from megatron.core.dmi.reader import open_store
+
+    skip = {"started_at", "dropped_at", "closed_at", "ingested_at", "hostname", "versions_json"}
+    with open_store(store_dir) as store:
+        out = {}
+        for t in tables:
+            rows = store.sql(f"SELECT * FROM dmi.{t} FINAL").to_pylist()
+            rows = [tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(r.items()) if k not in skip)
+                    for r in rows]
+            out[t] = sorted(rows, key=repr)
+        out["_ingest"] = dataclasses.asdict(store.ingest_result)
+        return out
+
+
+def store_call(store_dir: str, method: str, *args, **kwargs):
+    """``getattr(open_store(store_dir), method)(*args, **kwargs)``."""
+    from megatron.core.dmi.reader import open_store
+
+    with open_store(store_dir) as store:
+        return getattr(store, method)(*args, **kwargs)
+
+
+def open_store_error(store_dir: str) -> tuple[str, str]:
+    from megatron.core.dmi.reader import open_store
+
+    try:
+        open_store(store_dir).close()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "", ""
+
+
+def set_schema_version(store_dir: str, version: int) -> None:
+    from megatron.core.dmi.sinks import ChdbBackend
+
+    b = ChdbBackend(os.path.join(store_dir, "chdb"))
+    try:
+        b.ensure_schema()
+        b.command("TRUNCATE TABLE dmi.schema_version")
+        b.command("INSERT INTO dmi.schema_version (version) VALUES ({v:UInt32})", {"v": version})
+    finally:
+        b.close()
+
+
+def load_cli(argv: list[str]) -> tuple[int, str]:
+    """Run the CLI in this process, capturing stdout."""
+    import contextlib
+    import io
+
+    from megatron.core.dmi.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(argv)
+    return rc, buf.getvalue()
