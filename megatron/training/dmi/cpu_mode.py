@@ -19,6 +19,7 @@ entry script adds ``--clip-grad 0 --num-workers 0`` unless the user chose values
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 
 import torch
@@ -81,6 +82,17 @@ class _NullEvent(_NullStream):
         return 0.0
 
 
+def _with_mode(fn):
+    """A mode is off while its handler runs, so backward (dispatched through it) runs without it;
+    activation-recompute replays inside backward run forward code that needs it."""
+
+    def run(*args, **kwargs):
+        with _CudaToCpu():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def _patches() -> list[tuple[object, str, object]]:
     from megatron.core.tensor_parallel import random as tp_random
 
@@ -114,6 +126,8 @@ def _patches() -> list[tuple[object, str, object]]:
         (tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
         (tp_random, "_set_cuda_rng_state", lambda new_state, *a, **k: torch.set_rng_state(new_state)),
         (mt_init, "_warmup_jit_function", lambda: None),
+        (tp_random.CheckpointFunction, "backward", staticmethod(_with_mode(tp_random.CheckpointFunction.backward))),
+        (tp_random.CheckpointWithoutOutput, "_recompute", _with_mode(tp_random.CheckpointWithoutOutput._recompute)),
         # megatron's jit_fuser is torch.compile: on a CPU it only costs compile time for tiny models.
         (torch._dynamo.config, "disable", True),
     ]
@@ -129,7 +143,11 @@ def enable() -> None:
     if _mode is not None:
         return
     for obj, name, value in _patches():
-        _saved.append((obj, name, getattr(obj, name)))
+        try:
+            original = inspect.getattr_static(obj, name)  # keeps staticmethods intact
+        except AttributeError:  # config modules serve attributes dynamically
+            original = getattr(obj, name)
+        _saved.append((obj, name, original))
         setattr(obj, name, value)
     # The tracker's "GPU" states are CPU generator states here, so its CPU-state check always fires.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)

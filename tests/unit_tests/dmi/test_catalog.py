@@ -1,0 +1,35 @@
+import pytest
+
+from megatron.core.dmi import catalog
+
+
+def test_groups_expand_to_their_default_outputs():
+    assert catalog.parse_hooks("router") == {"router.logits", "router.topk_ids", "router.topk_probs", "router.expert_counts"}
+    assert catalog.parse_hooks("attn") == {"attn.context"}  # q and k are opt-in
+
+
+def test_opt_in_outputs_by_name_and_all():
+    assert catalog.parse_hooks("attn,attn.q,attn.k") == {"attn.context", "attn.q", "attn.k"}
+    assert catalog.parse_hooks("all") == set(catalog.BY_NAME)
+    assert catalog.parse_hooks("none") == frozenset()
+
+
+@pytest.mark.parametrize("spec,bad", [("router,foo", "foo"), ("router.logit", "router.logit"), ("router,,attn", "empty")])
+def test_bad_hook_lists_name_the_bad_item(spec, bad):
+    with pytest.raises(catalog.HookSelectionError, match=bad):
+        catalog.parse_hooks(spec)
+
+
+def test_record_sizes_follow_the_model_shape():
+    m = catalog.ModelShape(seq_length=32, micro_batch=2, num_experts=8, topk=2, heads=4, query_groups=2,
+                           head_dim=16, tp=2, sequence_parallel=True, router_itemsize=4, model_itemsize=2)
+    assert catalog.BY_NAME["router.logits"].local_shape(m)[0] == (32, 8)  # 16 local positions x 2
+    assert catalog.record_bytes("router.topk_ids", m) == 32 * 2 * 4
+    assert catalog.BY_NAME["attn.context"].local_shape(m)[0] == (32, 2, 2 * 16)
+    assert catalog.BY_NAME["attn.k"].local_shape(m)[0] == (32, 2, 1, 16)
+
+
+def test_markdown_table_lists_every_output():
+    table = catalog.markdown_table()
+    for o in catalog.OUTPUTS:
+        assert f"`{o.name}`" in table
