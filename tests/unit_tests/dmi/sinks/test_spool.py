@@ -88,3 +88,37 @@ def test_null_sink_counts():
     s.write(recs)
     rep = s.close()
     assert rep.records_discarded == len(recs) and rep.records_written == 0 and rep.records_dropped == 0
+
+
+def test_concurrent_write_and_metadata(tmp_path):
+    """The drain thread writes while the training thread records drops and run info."""
+    import threading
+
+    sink = SpoolSink("run-a", ParallelCoords(), str(tmp_path / "spool"), segment_records=7)
+    recs = moe_records(iterations=range(1, 11))
+    errors = []
+
+    def drain():
+        try:
+            for i in range(0, len(recs), 3):
+                sink.write(recs[i:i + 3])
+        except Exception as e:  # pragma: no cover
+            errors.append(e)
+
+    t = threading.Thread(target=drain)
+    t.start()
+    for i in range(20):
+        sink.write_drops([recs[i].key], "ring full")
+        if i == 5:
+            sink.write_run(run_info())
+        if i % 7 == 0:
+            sink.flush()
+    t.join()
+    rep = sink.close()
+    assert not errors and rep.records_written == len(recs) and rep.drops_recorded == 20
+    segs = list_segments(str(tmp_path / "spool"))
+    got = [r for s in segs if s.kind == "tensors" for r in table_to_records(read_segment(s))]
+    assert sorted((r.key.iteration, r.key.layer, r.key.output, r.key.coords.rank) for r in got) == \
+        sorted((r.key.iteration, r.key.layer, r.key.output, r.key.coords.rank) for r in recs)
+    drops = sum(read_segment(s).num_rows for s in segs if s.kind == "drops")
+    assert drops == 20

@@ -224,3 +224,13 @@ def load_cli(argv: list[str]) -> tuple[int, str]:
     with contextlib.redirect_stdout(buf):
         rc = main(argv)
     return rc, buf.getvalue()
+
+
+def run_plot_example(store_dir: str, out_dir: str) -> list[str]:
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+    spec = importlib.util.spec_from_file_location("plot_dmi", os.path.join(root, "examples", "plot_dmi.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main([store_dir, "--out", out_dir])

@@ -1,0 +1,130 @@
+"""Persistence throughput into the embedded chDB store (payload MB/s), for 64 KiB and 4 MiB records.
+
+Three paths, each on a warm store (schema created and one batch inserted before timing):
+
+- ``insert``:  Arrow batch -> chDB (``load_table``: what the ingester does per batch)
+- ``spool``:   records -> Parquet spool segment, fsync'd (what every rank's sink does)
+- ``ingest``:  spool segments -> chDB (the per-node ingester: read, validate, insert, bookkeeping)
+
+Payloads are bf16 normal samples (like activations; barely compressible). Prints a table and
+writes JSON (``--json``). Usage::
+
+    python benchmarks/persist_throughput.py --total-mb 1024 --repeats 3 --json persist.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+
+from megatron.core.dmi.records import ParallelCoords, Record, RecordKey, records_to_table
+from megatron.core.dmi.sinks import SpoolSink
+from megatron.core.dmi.sinks.backend import ChdbBackend
+from megatron.core.dmi.sinks.ingest import ingest_spool, load_table
+
+
+def make_records(record_bytes: int, n: int, iteration: int, pool: list[bytes]) -> list[Record]:
+    elems = record_bytes // 2
+    out = []
+    for i in range(n):
+        key = RecordKey("bench", "train", iteration, 1, i, 0, i % 32, "attn.context", ParallelCoords(rank=0), 0, 1, 0,
+                        elems // 1024, elems // 1024, "bfloat16", (elems // 1024, 1024))
+        out.append(Record(key, pool[i % len(pool)]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--total-mb", type=int, default=512, help="payload per measurement")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sizes", default="65536,4194304", help="record sizes in bytes")
+    ap.add_argument("--batch-mb", type=int, default=64, help="records per insert / spool segment, in MiB")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    root = args.dir or tempfile.mkdtemp(prefix="dmi_bench_")
+    os.makedirs(root, exist_ok=True)
+    backend = ChdbBackend(os.path.join(root, "store", "chdb"))
+    backend.ensure_schema()
+    results = []
+    it = 0
+    try:
+        for size in [int(s) for s in args.sizes.split(",")]:
+            pool = [torch.randn(size // 2).to(torch.bfloat16).view(torch.uint8).numpy().tobytes() for _ in range(8)]
+            per_batch = max(1, (args.batch_mb << 20) // size)
+            n_batches = max(1, (args.total_mb << 20) // (per_batch * size))
+            nbytes = n_batches * per_batch * size
+            # warm up: one batch through every path
+            it += 1
+            load_table(backend, "tensors", records_to_table(make_records(size, per_batch, it, pool)))
+            for rep in range(args.repeats):
+                tables = []
+                for _ in range(n_batches):
+                    it += 1
+                    tables.append(records_to_table(make_records(size, per_batch, it, pool)))
+                t0 = time.perf_counter()
+                for t in tables:
+                    load_table(backend, "tensors", t)
+                t_insert = time.perf_counter() - t0
+
+                spool_dir = os.path.join(root, f"spool-{size}-{rep}")
+                sink = SpoolSink("bench", ParallelCoords(rank=0), spool_dir, segment_bytes=args.batch_mb << 20,
+                                 segment_records=1 << 30, segment_seconds=1e9)
+                batches = []
+                for _ in range(n_batches):
+                    it += 1
+                    batches.append(make_records(size, per_batch, it, pool))
+                t0 = time.perf_counter()
+                for b in batches:
+                    for i in range(0, len(b), 256):  # the drain hands over at most flush_records at a time
+                        sink.write(b[i:i + 256])
+                sink.flush()
+                t_spool = time.perf_counter() - t0
+                sink.close()
+
+                t0 = time.perf_counter()
+                r = ingest_spool(backend, spool_dir, delete=True, max_batch_bytes=args.batch_mb << 20)
+                t_ingest = time.perf_counter() - t0
+                assert r.payload_bytes == nbytes, (r.payload_bytes, nbytes)
+                shutil.rmtree(spool_dir, ignore_errors=True)
+                results.append({"record_bytes": size, "repeat": rep, "payload_bytes": nbytes,
+                                "insert_MBps": nbytes / t_insert / 1e6, "spool_MBps": nbytes / t_spool / 1e6,
+                                "ingest_MBps": nbytes / t_ingest / 1e6})
+                print(f"  size {size:>8} repeat {rep}: insert {results[-1]['insert_MBps']:7.0f} MB/s  "
+                      f"spool {results[-1]['spool_MBps']:7.0f} MB/s  ingest {results[-1]['ingest_MBps']:7.0f} MB/s",
+                      flush=True)
+    finally:
+        backend.close()
+        if not args.dir:
+            shutil.rmtree(root, ignore_errors=True)
+
+    summary = []
+    print()
+    print(f"{'record':>8} | {'payload/run':>11} | {'insert MB/s':>11} | {'spool MB/s':>10} | {'ingest MB/s':>11}   (medians)")
+    print("-" * 72)
+    for size in sorted({r["record_bytes"] for r in results}):
+        rs = [r for r in results if r["record_bytes"] == size]
+        row = {"record_bytes": size, "payload_bytes": rs[0]["payload_bytes"], "repeats": len(rs)}
+        for k in ("insert_MBps", "spool_MBps", "ingest_MBps"):
+            row[k] = statistics.median(r[k] for r in rs)
+        summary.append(row)
+        label = f"{size // 1024} KiB" if size < 1 << 20 else f"{size >> 20} MiB"
+        print(f"{label:>8} | {row['payload_bytes'] / 2**20:8.0f} MiB | {row['insert_MBps']:11.0f} | "
+              f"{row['spool_MBps']:10.0f} | {row['ingest_MBps']:11.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                       "args": vars(args), "summary": summary, "runs": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

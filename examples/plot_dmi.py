@@ -1,0 +1,152 @@
+"""Plot what a DMI run captured: expert-load heatmaps, the dropped-token rate, an attention pattern.
+
+    python examples/plot_dmi.py dmi_store --out plots/            # latest run
+    python examples/plot_dmi.py dmi_store --run my-run --layer 2 --head 0 --out plots/
+
+Writes PNGs:
+- ``expert_load.png``: for a few iterations, a layers x experts heatmap of each expert's share of
+  the layer's routed tokens (after capacity dropping); a balanced router is a flat colour.
+- ``expert_load_over_time.png``: per layer, max/mean expert load over iterations (1 = balanced).
+- ``drop_rate.png``: fraction of routed token slots dropped by the capacity factor, per iteration.
+- ``router_entropy.png``: normalised routing entropy per layer over iterations (if router.logits).
+- ``attention.png``: one head's causal attention pattern (if attn.q and attn.k were captured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from megatron.core.dmi.reader import open_store  # noqa: E402
+
+
+def plot_expert_load(load, out_dir: str, max_panels: int = 4) -> list[str]:
+    its = sorted(load["iteration"].unique())
+    if not its:
+        return []
+    pick = [its[int(round(i))] for i in np.linspace(0, len(its) - 1, min(max_panels, len(its)))]
+    fig, axes = plt.subplots(1, len(pick), figsize=(4 * len(pick), 3.5), squeeze=False)
+    for ax, it in zip(axes[0], pick):
+        m = load[load.iteration == it].pivot(index="layer", columns="expert", values="tokens_post").fillna(0)
+        share = m.div(m.sum(axis=1).replace(0, 1), axis=0)
+        im = ax.imshow(share.values, aspect="auto", cmap="viridis", vmin=0)
+        ax.set_title(f"iteration {it}")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("layer")
+        ax.set_yticks(range(len(share.index)), [str(x) for x in share.index])
+        fig.colorbar(im, ax=ax, label="share of tokens")
+    fig.suptitle("expert load (after capacity dropping)")
+    fig.tight_layout()
+    p1 = os.path.join(out_dir, "expert_load.png")
+    fig.savefig(p1, dpi=120)
+    plt.close(fig)
+
+    g = load.groupby(["iteration", "layer"])["tokens_post"]
+    imb = (g.max() / g.mean().replace(0, np.nan)).reset_index(name="imbalance")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for layer, d in imb.groupby("layer"):
+        ax.plot(d["iteration"], d["imbalance"], marker=".", label=f"layer {layer}")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("max / mean tokens per expert")
+    ax.set_title("expert load imbalance")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    p2 = os.path.join(out_dir, "expert_load_over_time.png")
+    fig.savefig(p2, dpi=120)
+    plt.close(fig)
+    return [p1, p2]
+
+
+def plot_drop_rate(rate, out_dir: str) -> list[str]:
+    if rate.empty:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for layer, d in rate.groupby("layer"):
+        ax.plot(d["iteration"], 100 * d["drop_rate"], marker=".", label=f"layer {layer}")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("dropped token slots (%)")
+    ax.set_title("capacity-factor drops")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    p = os.path.join(out_dir, "drop_rate.png")
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return [p]
+
+
+def plot_entropy(ent, out_dir: str) -> list[str]:
+    if ent.empty:
+        return []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for layer, d in ent.groupby("layer"):
+        ax.plot(d["iteration"], d["entropy_normalized"], marker=".", label=f"layer {layer}")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("routing entropy / log(E)")
+    ax.set_title("router entropy (1 = uniform, 0 = collapsed)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    p = os.path.join(out_dir, "router_entropy.png")
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return [p]
+
+
+def plot_attention(pattern, title: str, out_dir: str) -> list[str]:
+    fig, ax = plt.subplots(figsize=(5, 4.5))
+    im = ax.imshow(pattern.numpy(), cmap="magma", aspect="auto")
+    ax.set_xlabel("key position")
+    ax.set_ylabel("query position")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label="attention probability")
+    fig.tight_layout()
+    p = os.path.join(out_dir, "attention.png")
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return [p]
+
+
+def main(argv=None) -> list[str]:
+    ap = argparse.ArgumentParser(description="Plot a DMI run (PNG files).")
+    ap.add_argument("store", help="store directory or ClickHouse URL")
+    ap.add_argument("--run", default=None, help="run id (default: latest)")
+    ap.add_argument("--out", default="dmi_plots")
+    ap.add_argument("--iteration", type=int, default=None, help="iteration of the attention plot (default: last with attn.q)")
+    ap.add_argument("--layer", type=int, default=None, help="layer of the attention plot (default: first with attn.q)")
+    ap.add_argument("--head", type=int, default=0)
+    ap.add_argument("--microbatch", type=int, default=0)
+    ap.add_argument("--no-entropy", action="store_true", help="skip router entropy (decodes every router.logits)")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    written: list[str] = []
+    with open_store(args.store) as store:
+        run = store.resolve_run(args.run)
+        desc = store.describe(run)
+        outputs = set(desc.outputs["output"]) if not desc.outputs.empty else set()
+        if "router.expert_counts" in outputs:
+            written += plot_expert_load(store.expert_load(run), args.out)
+            written += plot_drop_rate(store.drop_rate(run, by_layer=True), args.out)
+        if "router.logits" in outputs and not args.no_entropy:
+            written += plot_entropy(store.router_entropy(run, progress=True), args.out)
+        if {"attn.q", "attn.k"} <= outputs:
+            q = desc.outputs[(desc.outputs.output == "attn.q") & (desc.outputs.phase == "train")].iloc[0]
+            it = args.iteration if args.iteration is not None else int(q["last_iteration"])
+            layer = args.layer if args.layer is not None else int(q["layers"][0])
+            pat = store.attention_pattern(run, it, args.microbatch, layer, args.head)
+            written += plot_attention(pat, f"run {run} iteration {it} layer {layer} head {args.head}", args.out)
+    for p in written:
+        print(p)
+    if not written:
+        print("nothing to plot: the run captured no router.expert_counts, router.logits or attn.q/attn.k")
+    return written
+
+
+if __name__ == "__main__":
+    main()
