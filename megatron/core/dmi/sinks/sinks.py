@@ -288,15 +288,19 @@ class ServerSink(_BufferedSink):
         self._retry_s = retry_initial_s
         self._next_retry = 0.0
         self._up = False
+        self._warned = False
         self._spooled_rows = 0
         self._spooled_bytes = 0
         with self._io_lock:
             self._try_connect()
 
     def _down(self, e: Exception) -> None:
-        if self._up:
-            warnings.warn(f"DMI: ClickHouse server unavailable, spooling locally to {self.spool.dir}: "
-                          f"{redact(str(e), self._password)}", RuntimeWarning, stacklevel=4)
+        if self._up or not self._warned:
+            msg = (f"DMI: ClickHouse server unavailable, spooling locally to {self.spool.dir} and retrying: "
+                   f"{redact(str(e), self._password)}")
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+            log.warning(msg)
+            self._warned = True
         self._up = False
         self._next_retry = time.monotonic() + self._retry_s
         self._retry_s = min(self.retry_max_s, self._retry_s * 2)
@@ -309,7 +313,10 @@ class ServerSink(_BufferedSink):
         """(Re)connect, create the schema and replay this rank's spool. Caller holds _io_lock."""
         try:
             self.backend.ensure_schema()
+            if not self._up and self._warned:
+                log.warning("DMI: ClickHouse server %s reachable again; replaying the spool", self.backend.description)
             self._up = True
+            self._warned = False
             self._retry_s = self.retry_initial_s
             self._replay()
             return True

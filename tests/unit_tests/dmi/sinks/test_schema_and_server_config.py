@@ -78,7 +78,9 @@ def test_password_never_in_errors_or_repr(tmp_path, monkeypatch):
     assert redact(f"auth failed for {secret}", secret) == "auth failed for ***"
     cfg = DMIConfig(persist="clickhouse", store_dir=str(tmp_path), clickhouse_url="http://127.0.0.1:1")
     assert secret not in repr(cfg)
-    sink = open_sink(cfg, ParallelCoords(), "r", True)
+    with pytest.warns(RuntimeWarning, match="spooling locally") as w:
+        sink = open_sink(cfg, ParallelCoords(), "r", True)
+    assert all(secret not in str(x.message) for x in w)
     rep = sink.close()
     assert rep.errors and all(secret not in e for e in rep.errors)
     assert secret not in repr(sink.__dict__.get("report"))
