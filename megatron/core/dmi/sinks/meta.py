@@ -88,6 +88,20 @@ class RunInfo:
     started_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
 
+_SECRET_KEYS = ("password", "passwd", "secret", "credential", "api_key")
+
+
+def scrub_secrets(obj: Any) -> Any:
+    """Copy of ``obj`` with every value under a password-like key replaced (the runs table must
+    never hold credentials, e.g. DMIConfig.clickhouse_password)."""
+    if isinstance(obj, dict):
+        return {k: ("***" if v and any(s in str(k).lower() for s in _SECRET_KEYS) else scrub_secrets(v))
+                for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [scrub_secrets(v) for v in obj]
+    return obj
+
+
 def _json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o))
 
@@ -97,7 +111,7 @@ def runs_table(info: RunInfo) -> pa.Table:
         "run_id": info.run_id, "attempt": int(info.attempt),
         "resumed_from_iteration": -1 if info.resumed_from_iteration is None else int(info.resumed_from_iteration),
         "started_at": info.started_at, "rank": int(info.coords.rank), "world_size": int(info.world_size),
-        "hostname": info.hostname, "config_json": _json(info.config), "versions_json": _json(info.versions),
+        "hostname": info.hostname, "config_json": _json(scrub_secrets(info.config)), "versions_json": _json(info.versions),
     }], schema=S.RUNS_SCHEMA)
 
 

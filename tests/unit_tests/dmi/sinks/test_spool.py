@@ -122,3 +122,17 @@ def test_concurrent_write_and_metadata(tmp_path):
         sorted((r.key.iteration, r.key.layer, r.key.output, r.key.coords.rank) for r in recs)
     drops = sum(read_segment(s).num_rows for s in segs if s.kind == "drops")
     assert drops == 20
+
+
+def test_runs_row_never_holds_passwords():
+    import dataclasses
+    import json
+
+    from megatron.core.dmi.sinks.meta import RunInfo, runs_table
+
+    cfg = dataclasses.asdict(DMIConfig(clickhouse_password="hunter2-secret"))
+    cfg["nested"] = {"db_password": "x-secret-2", "tokenizer_type": "NullTokenizer"}
+    row = runs_table(RunInfo("r", 1, None, cfg)).to_pylist()[0]
+    assert "hunter2" not in row["config_json"] and "x-secret-2" not in row["config_json"]
+    assert json.loads(row["config_json"])["nested"]["tokenizer_type"] == "NullTokenizer"
+    assert json.loads(row["config_json"])["clickhouse_password"] == "***"

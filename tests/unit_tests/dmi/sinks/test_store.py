@@ -160,3 +160,11 @@ def test_store_busy_error(tmp_path):
         os.close(fd)
     assert kind == "StoreBusyError" and "4242" in msg
     assert ChdbBackend and StoreBusyError
+
+
+def test_background_ingest_during_run(tmp_path):
+    out = run_isolated(W.ingest_while_running, str(tmp_path))
+    assert out["emptied"] and out["loaded_before_close"] >= 3  # runs, topology, tensors
+    assert out["report"]["records_written"] == len(W.moe_records())
+    dump = run_isolated(W.dump_store, str(tmp_path), ("tensors", "reports"))
+    assert len(dump["tensors"]) == len(W.moe_records()) and len(dump["reports"]) == 1

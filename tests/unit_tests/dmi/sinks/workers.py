@@ -234,3 +234,21 @@ def run_plot_example(store_dir: str, out_dir: str) -> list[str]:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.main([store_dir, "--out", out_dir])
+
+
+def ingest_while_running(store_dir: str) -> dict:
+    """The ingester thread loads flushed segments during the run, not only at close."""
+    from megatron.core.dmi.sinks import EmbeddedSink
+
+    sink = EmbeddedSink(store_dir, RUN, ParallelCoords(rank=0), True, ingest_poll_s=0.1)
+    sink.write_run(run_info())
+    sink.write(moe_records())
+    sink.flush()
+    folder = os.path.join(store_dir, "spool", "rank-00000")
+    deadline = time.time() + 30
+    while os.listdir(folder) and time.time() < deadline:
+        time.sleep(0.05)
+    emptied = not os.listdir(folder)
+    loaded = sink.ingester.result.segments_loaded
+    rep = sink.close()
+    return {"emptied": emptied, "loaded_before_close": loaded, "report": dataclasses.asdict(rep)}
