@@ -206,6 +206,21 @@ def cmd_load(args) -> int:
     return 1 if r.segments_corrupt else 0
 
 
+def cmd_export(args) -> int:
+    with _open(args) as store:
+        n = store.export_spool(args.to, args.run_id, progress=sys.stderr.isatty())
+    print(f"exported {n} record(s) as spool segments under {args.to}; load them with "
+          f"`python -m megatron.core.dmi load {args.to} --store <dir-or-url>`")
+    return 0
+
+
+def _setup_export(p):
+    _store_arg(p)
+    p.add_argument("--run", dest="run_id", default=None, help="only this run (default: every run)")
+    p.add_argument("--to", required=True, help="output spool directory (rank-* folders)")
+    p.set_defaults(func=cmd_export)
+
+
 def _setup_runs(p):
     _store_arg(p)
     p.set_defaults(func=cmd_runs)
@@ -268,6 +283,7 @@ add_subcommand("tensor", _setup_tensor, "rebuild one full tensor: shape, dtype, 
 add_subcommand("expert-load", _setup_expert_load, "tokens per expert per layer over iterations")
 add_subcommand("drops", _setup_drops, "dropped records and dropped-token rates")
 add_subcommand("load", _setup_load, "load spool segments into a store")
+add_subcommand("export", _setup_export, "write a store back out as spool segments (to merge node-local stores)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -87,5 +87,5 @@ def test_subcommand_registry():
         assert cli.main(["test-extra", "--x", "5"]) == 0 and seen == [5]
     finally:
         cli._COMMANDS.pop("test-extra")
-    for name in ("show", "runs", "describe", "tensor", "expert-load", "drops", "load"):
+    for name in ("show", "runs", "describe", "tensor", "expert-load", "drops", "load", "export"):
         assert name in cli._COMMANDS

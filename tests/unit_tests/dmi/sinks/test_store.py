@@ -168,3 +168,22 @@ def test_background_ingest_during_run(tmp_path):
     assert out["report"]["records_written"] == len(W.moe_records())
     dump = run_isolated(W.dump_store, str(tmp_path), ("tensors", "reports"))
     assert len(dump["tensors"]) == len(W.moe_records()) and len(dump["reports"]) == 1
+
+
+def test_merge_node_local_stores(tmp_path):
+    """Two nodes with node-local store dirs: export each, load both into one store, read all ranks."""
+    r0 = W.moe_records(tp=1, seed=2)
+    r1 = [r for r in W.moe_records(tp=2, seed=2) if r.key.coords.rank == 1]
+    run_isolated(W.write_embedded, str(tmp_path / "node0"), r0, [W.run_info(rank=0, world=2)], 0, True, None, [r0[0].key])
+    run_isolated(W.write_embedded, str(tmp_path / "node1"), r1, [W.run_info(rank=1, world=2)], 1, True)
+    for node in ("node0", "node1"):
+        rc, out = run_isolated(W.load_cli, ["export", str(tmp_path / node), "--to", str(tmp_path / "merged_spool")])
+        assert rc == 0, out
+    rc, out = run_isolated(W.load_cli, ["load", str(tmp_path / "merged_spool"), "--store", str(tmp_path / "all")])
+    assert rc == 0, out
+    dump = run_isolated(W.dump_store, str(tmp_path / "all"), ("tensors", "topology", "drops", "reports", "expert_counts"))
+    assert len(dump["tensors"]) == len(r0) + len(r1)
+    assert sorted(dict(r)["rank"] for r in dump["topology"]) == [0, 1]
+    assert len(dump["drops"]) == 1 and len(dump["reports"]) == 2
+    direct0 = run_isolated(W.dump_store, str(tmp_path / "node0"), ("tensors",))["tensors"]
+    assert set(direct0) <= set(dump["tensors"])
