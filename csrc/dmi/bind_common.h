@@ -1,0 +1,119 @@
+// pybind11 glue shared by the host and the CUDA builds (no torch headers: the extensions compile
+// in seconds and take raw pointers / stream handles from Python).
+#pragma once
+
+#include <Python.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <ATen/dlpack.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "drain.h"
+
+namespace py = pybind11;
+
+namespace dmi {
+
+// take(): (seq, site, iteration, microbatch, attempt, phase, invocation, nbytes, payload bytes).
+// Waits with the GIL released; builds the bytes objects from staging, then frees staging in order.
+inline py::list take_records(RingCore& core, size_t max_records, double timeout_s) {
+  std::unique_lock<std::mutex> take_lock(core.take_mu(), std::defer_lock);
+  std::vector<Entry> got;
+  {
+    py::gil_scoped_release nogil;
+    take_lock.lock();
+    got = core.pop_ready(max_records, timeout_s);
+  }
+  py::list out;
+  const uint8_t* st = core.staging();
+  for (const Entry& e : got) {
+    PyObject* b = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(st + e.staging_off),
+                                            static_cast<Py_ssize_t>(e.d.nbytes));
+    if (!b) throw py::error_already_set();
+    out.append(py::make_tuple(e.seq, e.d.site, e.d.iteration, e.d.microbatch, e.d.attempt, e.d.phase,
+                              e.d.invocation, e.d.nbytes, py::reinterpret_steal<py::object>(b)));
+  }
+  core.release_staging(got);
+  return out;
+}
+
+inline py::dict shared_stats(RingCore& core) {
+  Shared* s = core.shared();
+  DrainStats d = core.drain_stats();
+  py::dict r;
+  r["published"] = load_acquire(&s->seq);
+  r["published_bytes"] = load_acquire(&s->accepted_bytes);
+  r["dropped"] = load_acquire(&s->dropped);
+  r["dropped_bytes"] = load_acquire(&s->dropped_bytes);
+  r["rejected"] = load_acquire(&s->rejected);
+  r["timeouts"] = load_acquire(&s->timeouts);
+  r["head"] = load_acquire(&s->head);
+  r["tail"] = load_acquire(&s->tail);
+  r["desc_tail"] = load_acquire(&s->desc_tail);
+  r["drained"] = d.drained;
+  r["drained_bytes"] = d.drained_bytes;
+  r["drain_batches"] = d.batches;
+  r["drain_copies"] = d.copies;
+  r["taken"] = d.taken;
+  r["taken_bytes"] = d.taken_bytes;
+  r["capacity"] = core.cap();
+  r["desc_capacity"] = core.desc_cap();
+  r["staging_capacity"] = core.staging_cap();
+  r["drain_error"] = core.error();
+  return r;
+}
+
+// A DLPack capsule viewing `nbytes` bytes at `data` as a 1-D uint8 tensor. The capsule keeps
+// `owner` (the Python ring object) alive for as long as the tensor made from it lives.
+struct DLHolder {
+  int64_t shape[1];
+  int64_t strides[1];
+  PyObject* owner;
+};
+
+inline void dl_deleter(DLManagedTensor* self) {
+  auto* h = static_cast<DLHolder*>(self->manager_ctx);
+  if (h && h->owner && Py_IsInitialized()) {
+    PyGILState_STATE st = PyGILState_Ensure();
+    Py_DECREF(h->owner);
+    PyGILState_Release(st);
+  }
+  delete h;
+  delete self;
+}
+
+inline void dl_capsule_destructor(PyObject* cap) {
+  if (PyCapsule_IsValid(cap, "dltensor")) {  // never consumed
+    auto* mt = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+    if (mt && mt->deleter) mt->deleter(mt);
+  }
+}
+
+inline py::object make_dlpack(py::object owner, void* data, int64_t nbytes, bool cuda, int device_id) {
+  auto* h = new DLHolder{{nbytes}, {1}, owner.ptr()};
+  Py_INCREF(owner.ptr());
+  auto* mt = new DLManagedTensor{};
+  mt->dl_tensor.data = data;
+  mt->dl_tensor.device.device_type = cuda ? kDLCUDA : kDLCPU;
+  mt->dl_tensor.device.device_id = cuda ? device_id : 0;
+  mt->dl_tensor.ndim = 1;
+  mt->dl_tensor.dtype.code = kDLUInt;
+  mt->dl_tensor.dtype.bits = 8;
+  mt->dl_tensor.dtype.lanes = 1;
+  mt->dl_tensor.shape = h->shape;
+  mt->dl_tensor.strides = h->strides;
+  mt->dl_tensor.byte_offset = 0;
+  mt->manager_ctx = h;
+  mt->deleter = dl_deleter;
+  PyObject* cap = PyCapsule_New(mt, "dltensor", dl_capsule_destructor);
+  if (!cap) {
+    dl_deleter(mt);
+    throw py::error_already_set();
+  }
+  return py::reinterpret_steal<py::object>(cap);
+}
+
+}  // namespace dmi

@@ -1,0 +1,315 @@
+"""NativeRingTransport: the C++/CUDA ring of ``csrc/dmi`` behind the Transport contract.
+
+CPU tensors use the host build (C++ producer on the calling thread); CUDA tensors use the CUDA
+build (producer kernels on the current stream, device gate and context block, a C++ drain thread
+copying to pinned staging with the copy engine). Both implement one protocol (ring_protocol.h).
+
+Keys travel in the descriptors: a static *site id* (``register_site``: run, layer, output, coords,
+shard, token range, dtype, shape) plus the dynamic context words (iteration, microbatch, attempt,
+phase, invocation) that the producer reads from the context block when it reserves the slot.
+``take`` rebuilds every ``RecordKey`` from the descriptor alone.
+
+Two ways to publish:
+
+* ``publish(key, tensor)`` (the Transport contract): registers the key's site and hands the key's
+  dynamic fields to the producer with the call, which writes them into the descriptor atomically
+  with the reservation (safe with several publishing threads; the context block is not touched).
+* ``publish_site(site_id, tensor)`` (also what the ``dmi::ring_capture`` custom op calls): no host
+  state involved, so it can be captured in a CUDA graph; the host sets the gate and context before
+  each replay (``set_gate``, ``set_context``).
+
+CUDA publishes are asynchronous: ``publish`` returns True once the producer is enqueued; drops on
+the device are counted in ``stats.dropped`` (read them after synchronising the stream).
+
+Importing this module needs torch, numpy and pyarrow only (not megatron-core).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterable
+
+import torch
+
+from megatron.core.dmi.records import PHASES, Record, RecordKey, dtype_name
+from megatron.core.dmi.transport import jit
+from megatron.core.dmi.transport.base import SLOT_ALIGN, OnFull, Transport, TransportStats
+
+_DYNAMIC = ("iteration", "microbatch", "attempt", "phase", "invocation")
+_STATIC_DEFAULTS = {"iteration": 0, "microbatch": 0, "attempt": 0, "phase": PHASES[0], "invocation": 0}
+
+
+def _phase_code(phase: str | int) -> int:
+    if isinstance(phase, int):
+        if not 0 <= phase < len(PHASES):
+            raise ValueError(f"phase code {phase} out of range for {PHASES}")
+        return phase
+    try:
+        return PHASES.index(phase)
+    except ValueError:
+        raise ValueError(f"unknown phase {phase!r} (expected one of {PHASES})") from None
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class NativeRingTransport(Transport):
+    """Native ring transport (host build for CPU tensors, CUDA build for CUDA tensors)."""
+
+    name = "native"
+
+    def __init__(
+        self,
+        ring_bytes: int,
+        on_full: OnFull = "block",
+        device: torch.device | str = "cpu",
+        *,
+        desc_capacity: int | None = None,
+        staging_bytes: int | None = None,
+        block_timeout: float = 60.0,
+    ):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if on_full not in ("block", "drop"):
+            raise ValueError(f"on_full must be 'block' or 'drop', not {on_full!r}")
+        super().__init__(ring_bytes, on_full, device)
+        cap = ring_bytes // SLOT_ALIGN * SLOT_ALIGN
+        self.ring_bytes = cap
+        if desc_capacity is None:
+            desc_capacity = max(64, min(1 << 16, cap // SLOT_ALIGN + 64))
+        if staging_bytes is None:
+            staging_bytes = cap
+        staging_bytes = -(-staging_bytes // SLOT_ALIGN) * SLOT_ALIGN
+        if staging_bytes < cap:
+            raise ValueError(f"staging_bytes ({staging_bytes}) must be >= the ring ({cap} bytes)")
+        self.desc_capacity = int(desc_capacity)
+        self.staging_bytes = int(staging_bytes)
+        self.block_timeout = float(block_timeout)
+        block = 1 if on_full == "block" else 0
+        if device.type == "cuda":
+            self._mod = jit.load_cuda()
+            self._ring = self._mod.CudaRing(device.index, cap, self.desc_capacity, self.staging_bytes, block, self.block_timeout)
+        elif device.type == "cpu":
+            self._mod = jit.load_host()
+            self._ring = self._mod.HostRing(cap, self.desc_capacity, self.staging_bytes, block, self.block_timeout)
+        else:
+            raise ValueError(f"the native ring supports cpu and cuda tensors, not {device}")
+        # The payload ring as a uint8 tensor (DLPack view of the ring's own memory): the mutated
+        # argument of the dmi::ring_capture custom op.
+        self.ring_tensor = torch.utils.dlpack.from_dlpack(self._ring.payload_dlpack())
+        self._sites: list[RecordKey] = []
+        self._site_ids: dict[RecordKey, int] = {}
+        self._ctx = (0, 0, 0, 0, 0)  # host copy of the context block (iteration, mb, attempt, phase, inv)
+        self._blocked_seconds = 0.0
+        self._closed = False
+        self._last_stats = TransportStats()
+        from megatron.core.dmi.transport import ops  # registers the custom op
+
+        self.handle = ops.register_transport(self)
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def stats(self) -> TransportStats:  # type: ignore[override]
+        return self.refresh_stats()
+
+    @stats.setter
+    def stats(self, value: TransportStats) -> None:
+        self._last_stats = value
+
+    def refresh_stats(self) -> TransportStats:
+        """Counters from the ring (device-side counters are mirrored into host memory by the
+        producers: read them after synchronising the producing stream for exact values)."""
+        if getattr(self, "_ring", None) is None or self._closed:
+            return self._last_stats
+        s = self._ring.stats()
+        self._last_stats = TransportStats(
+            published=s["published"],
+            published_bytes=s["published_bytes"],
+            dropped=s["dropped"],
+            dropped_bytes=s["dropped_bytes"],
+            rejected=s["rejected"],
+            drained=s["taken"],
+            drained_bytes=s["taken_bytes"],
+            blocked_seconds=self._blocked_seconds,
+        )
+        return self._last_stats
+
+    def ring_state(self) -> dict:
+        """Raw ring counters and positions (head/tail/seq, timeouts, drain batches, capacities)."""
+        return dict(self._ring.stats())
+
+    # ------------------------------------------------------------------ sites, gate, context
+    def register_site(self, key_template: RecordKey) -> int:
+        """Static part of a key (everything but iteration/microbatch/attempt/phase/invocation) ->
+        site id carried by the descriptors. Idempotent."""
+        static = dataclasses.replace(key_template, **_STATIC_DEFAULTS)
+        site = self._site_ids.get(static)
+        if site is None:
+            site = len(self._sites)
+            if site >= 1 << 32:
+                raise OverflowError("too many DMI sites")
+            self._sites.append(static)
+            self._site_ids[static] = site
+        return site
+
+    def site_key(self, site_id: int) -> RecordKey:
+        return self._sites[site_id]
+
+    def set_gate(self, enabled: bool) -> None:
+        """Open (True) or close (False) the device gate. On CUDA it is set on the current stream, so
+        it applies to the producers enqueued after it (e.g. before a graph replay)."""
+        self.set_gate_word(1 if enabled else 0)
+
+    def set_gate_word(self, value: int) -> None:
+        """Raw gate word: a producer launched with ``mask`` accepts when ``value & mask`` != 0."""
+        if self.device.type == "cuda":
+            self._check_not_capturing("set_gate")
+            self._ring.set_gate(int(value), torch.cuda.current_stream(self.device).cuda_stream)
+        else:
+            self._ring.set_gate(int(value))
+
+    def gate(self) -> int:
+        """Current gate word (synchronous read; not for the hot path)."""
+        return int(self._ring.gate())
+
+    def set_context(
+        self,
+        *,
+        iteration: int | None = None,
+        microbatch: int | None = None,
+        attempt: int | None = None,
+        phase: str | int | None = None,
+        invocation: int | None = None,
+    ) -> None:
+        """Update the context block read by every following producer (fields left None keep their
+        value). On CUDA: a cudaMemcpyAsync on the current stream, before a step or graph replay."""
+        it, mb, at, ph, inv = self._ctx
+        ctx = (
+            it if iteration is None else int(iteration),
+            mb if microbatch is None else int(microbatch),
+            at if attempt is None else int(attempt),
+            ph if phase is None else _phase_code(phase),
+            inv if invocation is None else int(invocation),
+        )
+        if self.device.type == "cuda":
+            self._check_not_capturing("set_context")
+            self._ring.set_context(list(ctx), torch.cuda.current_stream(self.device).cuda_stream)
+        else:
+            self._ring.set_context(list(ctx))
+        self._ctx = ctx
+
+    def context(self) -> dict:
+        words = self._ring.context()
+        return {name: int(words[i]) for i, name in enumerate(_DYNAMIC)}
+
+    def _check_not_capturing(self, what: str) -> None:
+        if _capturing():
+            raise RuntimeError(
+                f"NativeRingTransport.{what} cannot run inside CUDA graph capture: set the gate and "
+                "context before each replay, outside the captured region"
+            )
+
+    # ------------------------------------------------------------------ publish
+    def _check_tensor(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != self.device.type or (
+            self.device.type == "cuda" and tensor.device.index != self.device.index
+        ):
+            raise ValueError(f"tensor on {tensor.device} published to a native ring on {self.device}")
+
+    def publish(self, key: RecordKey, tensor: torch.Tensor) -> bool:
+        self._check_tensor(tensor)
+        if dtype_name(tensor.dtype) != key.dtype or tuple(tensor.shape) != tuple(key.shape):
+            raise ValueError(
+                f"tensor {tuple(tensor.shape)} {tensor.dtype} does not match key {key.shape} {key.dtype} ({key.output})"
+            )
+        self.check_fits(tensor.numel() * tensor.element_size())
+        site = self.register_site(key)
+        ctx = [key.iteration, key.microbatch, key.attempt, _phase_code(key.phase), key.invocation]
+        return self.publish_site(site, tensor, ctx=ctx)
+
+    def publish_site(self, site_id: int, tensor: torch.Tensor, mask: int = 1, ctx: list[int] | None = None) -> bool:
+        """Publish ``tensor`` under a registered site. The descriptor's context words come from the
+        context block (``set_context``), or from ``ctx`` (5 words: iteration, microbatch, attempt,
+        phase code, invocation) given with the call, which the producer writes into the descriptor
+        atomically with the reservation (used by ``publish(key, tensor)``). Graph-capturable on
+        CUDA (with ``ctx`` the words are baked into the graph). Returns False when the host build
+        rejected (gate) or dropped it; CUDA always returns True (the device decides; see stats)."""
+        if self._closed:
+            raise RuntimeError("transport is closed")
+        t = tensor.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        if nbytes > self.ring_bytes:
+            self.check_fits(nbytes)
+        ptr = t.data_ptr() if nbytes else 0
+        if self.device.type == "cuda":
+            self._ring.publish(ptr, nbytes, site_id, mask, torch.cuda.current_stream(self.device).cuda_stream, ctx)
+            return True
+        if self.on_full == "block":
+            t0 = time.perf_counter()
+            res = self._ring.publish(ptr, nbytes, site_id, mask, ctx)
+            dt = time.perf_counter() - t0
+            if dt > 1e-4:
+                self._blocked_seconds += dt
+        else:
+            res = self._ring.publish(ptr, nbytes, site_id, mask, ctx)
+        return res == 1
+
+    # ------------------------------------------------------------------ take
+    def take_with_seq(self, max_records: int, timeout: float) -> list[tuple[int, Record]]:
+        """Like ``take`` but also returns each record's sequence number."""
+        raw = self._ring.take(int(max_records), float(timeout))
+        out = []
+        sites = self._sites
+        for seq, site, it, mb, att, ph, inv, _nbytes, payload in raw:
+            key = dataclasses.replace(
+                sites[site], iteration=it, microbatch=mb, attempt=att, phase=PHASES[ph], invocation=inv
+            )
+            out.append((seq, Record(key, payload)))
+        return out
+
+    def take(self, max_records: int, timeout: float) -> list[Record]:
+        return [r for _, r in self.take_with_seq(max_records, timeout)]
+
+    def pending(self) -> int:
+        s = self._ring.stats()
+        return int(s["published"] - s["taken"])
+
+    def sync_drain(self, timeout: float = 10.0) -> bool:
+        """Wait until the drain thread has moved everything it can (published so far, and fitting
+        in staging) to the ready queue. On CUDA, synchronises the current stream first."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return bool(self._ring.sync(float(timeout)))
+
+    def drain_all(self, timeout: float = 10.0) -> list[Record]:
+        """Everything published so far (for tests and shutdown)."""
+        out: list[Record] = []
+        deadline = time.monotonic() + timeout
+        self.sync_drain(timeout)
+        while self.pending() > 0 and time.monotonic() < deadline:
+            out.extend(self.take(1 << 20, min(0.05, max(0.0, deadline - time.monotonic()))))
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.refresh_stats()
+        self._closed = True
+        from megatron.core.dmi.transport import ops
+
+        ops.unregister_transport(self.handle)
+        self._ring.close()  # memory is freed once the ring tensor is gone too
+
+    def __del__(self):  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def sites(self) -> Iterable[RecordKey]:
+        return tuple(self._sites)
