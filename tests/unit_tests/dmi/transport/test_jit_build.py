@@ -1,0 +1,59 @@
+"""JIT build of the native ring: report, cached host build, compile-only CUDA build."""
+
+import json
+import time
+
+import pytest
+
+from megatron.core.dmi.transport import jit
+
+
+def test_build_report_describes_what_can_build_here():
+    jit.load_host()
+    rep = jit.build_report()
+    json.dumps(rep)  # plain data, for `doctor`
+    for field in ("cxx", "ninja", "cuda_home", "nvcc", "nvcc_version", "cuda_arch_list", "extensions_dir", "csrc_dir"):
+        assert field in rep
+    assert rep["host"]["can_build"] and rep["host"]["can_run"] and rep["host"]["cached"] and rep["host"]["loaded"]
+    assert rep["host"]["last_build_seconds"] >= 0
+    assert rep["cuda_arch_list"] == ["9.0"] or rep["cuda_arch_list"]  # TORCH_CUDA_ARCH_LIST may override
+    assert rep["csrc_dir"].endswith("dmi") or rep["csrc_dir"].endswith("csrc")
+
+
+def test_cached_host_build_loads_fast_in_a_new_process():
+    import subprocess
+    import sys
+
+    jit.load_host()
+    code = ("import time; t=time.perf_counter(); from megatron.core.dmi.transport import jit; "
+            "jit.load_host(); print(time.perf_counter()-t, jit.build_timings()['host']['cached'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seconds, cached = out.stdout.split()[-2:]
+    assert cached == "True" and float(seconds) < 10
+
+
+def test_missing_compiler_gives_a_clear_error(monkeypatch):
+    monkeypatch.setattr(jit, "_find_cxx", lambda: None)
+    monkeypatch.setattr(jit, "_loaded", {})
+    with pytest.raises(jit.NativeBuildError, match="no C\\+\\+ compiler"):
+        jit.load_host()
+    monkeypatch.setattr(jit, "find_cuda_home", lambda: None)
+    monkeypatch.setattr(jit, "_find_cxx", lambda: "/usr/bin/c++")
+    with pytest.raises(jit.NativeBuildError, match="no nvcc"):
+        jit.load_cuda()
+    assert not jit.build_report()["cuda"]["can_build"]
+
+
+@pytest.mark.slow
+def test_cuda_build_compiles_without_a_gpu():
+    if jit.find_cuda_home() is None:
+        pytest.skip("no nvcc on this machine")
+    t0 = time.perf_counter()
+    info = jit.compile_cuda_only()
+    assert info["library"].endswith(".so")
+    import os
+
+    assert os.path.getsize(info["library"]) > 0
+    print(f"CUDA ring build: {time.perf_counter() - t0:.1f} s (cached={info['cached']})")
+    assert jit.build_report()["cuda"]["cached"]
