@@ -29,14 +29,30 @@ inline py::list take_records(RingCore& core, size_t max_records, double timeout_
   }
   py::list out;
   const uint8_t* st = core.staging();
+  // Allocate the bytes objects with the GIL, fill them without it (nobody else sees them yet).
+  std::vector<py::object> payloads;
+  payloads.reserve(got.size());
   for (const Entry& e : got) {
-    PyObject* b = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(st + e.staging_off),
-                                            static_cast<Py_ssize_t>(e.d.nbytes));
-    if (!b) throw py::error_already_set();
-    out.append(py::make_tuple(e.seq, e.d.site, e.d.iteration, e.d.microbatch, e.d.attempt, e.d.phase,
-                              e.d.invocation, e.d.nbytes, py::reinterpret_steal<py::object>(b)));
+    PyObject* b = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(e.d.nbytes));
+    if (!b) {
+      core.release_staging(got);
+      throw py::error_already_set();
+    }
+    payloads.push_back(py::reinterpret_steal<py::object>(b));
   }
-  core.release_staging(got);
+  {
+    py::gil_scoped_release nogil;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (got[i].d.nbytes)
+        std::memcpy(PyBytes_AS_STRING(payloads[i].ptr()), st + got[i].staging_off, got[i].d.nbytes);
+    }
+    core.release_staging(got);
+  }
+  for (size_t i = 0; i < got.size(); ++i) {
+    const Entry& e = got[i];
+    out.append(py::make_tuple(e.seq, e.d.site, e.d.iteration, e.d.microbatch, e.d.attempt, e.d.phase,
+                              e.d.invocation, e.d.nbytes, payloads[i]));
+  }
   return out;
 }
 
