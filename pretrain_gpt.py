@@ -137,12 +137,18 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
+def main():
+    try:
+        pretrain(
+            train_valid_test_datasets_provider,
+            model_provider,
+            ModelType.encoder_or_decoder,
+            entry.dmi_forward_step(forward_step),
+            extra_args_provider=entry.extra_args_provider(),
+        )
+    finally:
+        entry.finish()
+
+
 if __name__ == "__main__":
-    pretrain(
-        train_valid_test_datasets_provider,
-        model_provider,
-        ModelType.encoder_or_decoder,
-        entry.dmi_forward_step(forward_step),
-        extra_args_provider=entry.extra_args_provider(),
-        args_defaults={"tokenizer_type": "NullTokenizer"},
-    )
+    main()

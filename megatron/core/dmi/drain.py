@@ -7,8 +7,8 @@ thread never waits on persistence (except under ``--dmi-on-full block`` when the
 from __future__ import annotations
 
 import logging
+import queue
 import threading
-import time
 
 from megatron.core.dmi.records import Record
 from megatron.core.dmi.sinks.base import Sink
@@ -26,9 +26,10 @@ class Drain:
         self.records_persisted = 0
         self.bytes_persisted = 0
         self.sink_errors: list[str] = []
-        self._busy = False  # a batch is between transport and sink
         self._stop = threading.Event()
-        self._idle = threading.Condition()
+        # Flush requests are answered by the drain thread itself: only it takes records, so only it
+        # knows when everything taken has also been written.
+        self._flush_requests: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="dmi-drain", daemon=True)
         self._thread.start()
 
@@ -42,19 +43,24 @@ class Drain:
             log.error("DMI: %s", msg)
             self.sink_errors.append(msg)
 
+    def _answer_flushes(self) -> None:
+        while True:
+            try:
+                self._flush_requests.get_nowait().set()
+            except queue.Empty:
+                return
+
     def _run(self) -> None:
         while True:
-            with self._idle:
-                self._busy = True
             records = self.transport.take(self.batch_records, self.poll_seconds)
             if records:
                 self._write(records)
-            with self._idle:
-                self._busy = False
-                if self.transport.pending() == 0:
-                    self._idle.notify_all()
-            if self._stop.is_set() and self.transport.pending() == 0:
-                return
+            if self.transport.pending() == 0:
+                if not self._flush_requests.empty():
+                    self.sink.flush()
+                    self._answer_flushes()
+                if self._stop.is_set():
+                    return
 
     @property
     def lag_records(self) -> int:
@@ -62,17 +68,14 @@ class Drain:
         return self.transport.pending()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every record published so far has been written to the sink, then flush it."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._busy or self.transport.pending():
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._idle.wait(min(0.05, remaining) if remaining else 0.05)
-        self.sink.flush()
-        return True
+        """Wait until every record published so far is written to the sink and the sink flushed."""
+        self.transport.settle()
+        done = threading.Event()
+        self._flush_requests.put(done)
+        return done.wait(timeout)
 
     def close(self) -> None:
+        self.transport.settle()
         self._stop.set()
         self._thread.join()
+        self._answer_flushes()

@@ -115,3 +115,10 @@ def dmi_forward_step(forward_step: Callable) -> Callable:
 
     wrapped.__wrapped__ = forward_step
     return wrapped
+
+
+def finish() -> None:
+    """Flush and close DMI (end-of-run report). Also registered at exit, for runs that exit early."""
+    runtime = sys.modules.get("megatron.training.dmi.runtime")
+    if runtime is not None:
+        runtime.DMIRuntime.shutdown()

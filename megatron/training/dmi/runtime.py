@@ -57,7 +57,7 @@ def _allocate_attempt(store_dir: str, run_id: str) -> int:
     saved a checkpoint still owns its number and its records stay distinguishable."""
     folder = os.path.join(store_dir, "attempts", run_id)
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    attempt = 0
+    attempt = 1
     while True:
         try:
             os.close(os.open(os.path.join(folder, str(attempt)), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
@@ -85,7 +85,7 @@ class DMIRuntime:
         args = get_args()
         self.config = config
         self.args = args
-        resumed_from = args.iteration if (args.load and args.iteration) else 0
+        resumed_from = args.iteration if (args.load and args.iteration) else None
         run_id, attempt = None, None
         if not _dist() or torch.distributed.get_rank() == 0:
             run_id = config.run_id or self._resumed_run_id(resumed_from) or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
@@ -130,6 +130,7 @@ class DMIRuntime:
                 versions=versions,
                 coords=self.coords,
                 layers=sorted(self.hooks.layers),
+                world_size=torch.distributed.get_world_size() if _dist() else 1,
             )
         )
 

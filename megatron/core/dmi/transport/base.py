@@ -70,5 +70,8 @@ class Transport(ABC):
     def pending(self) -> int:
         """Records published but not yet taken."""
 
+    def settle(self) -> None:
+        """Make every publish issued so far visible to ``pending``/``take`` (device work included)."""
+
     def close(self) -> None:
         pass

@@ -279,6 +279,11 @@ class NativeRingTransport(Transport):
         s = self._ring.stats()
         return int(s["published"] - s["taken"])
 
+    def settle(self) -> None:
+        """Producer kernels publish their descriptors when they run: wait for the current stream."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def sync_drain(self, timeout: float = 10.0) -> bool:
         """Wait until the drain thread has moved everything it can (published so far, and fitting
         in staging) to the ready queue. On CUDA, synchronises the current stream first."""
