@@ -17,6 +17,17 @@ from megatron.core.dmi.records import ParallelCoords, RecordKey, dtype_name
 from megatron.core.dmi.transport.base import Transport
 
 
+# Device gate bits (native transport): a producer captured into a CUDA graph publishes on replay
+# only when the gate word has its bit. Original forwards carry GATE_ORIGINAL; producers captured
+# inside backward (recompute replays) carry GATE_REPLAY, which the gate never opens.
+GATE_ORIGINAL = 1
+GATE_REPLAY = 2
+
+
+def capturing_graph() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def inside_backward() -> bool:
     """True while autograd runs a backward pass: the signature of a recompute replay.
 
@@ -71,9 +82,15 @@ class Capture:
         self.step.microbatch = microbatch
 
     def wants(self, output: str, layer: int) -> bool:
-        return self.step.active and output in self.config.hooks and self.config.captures_layer(layer)
+        """Selected output and layer, in a captured step; while a CUDA graph is being captured the
+        step does not matter: the graph's producer is gated on the device at every replay."""
+        if output not in self.config.hooks or not self.config.captures_layer(layer):
+            return False
+        return self.step.active or capturing_graph()
 
     def publish(self, output: str, layer: int, coords: ParallelCoords, tensor: torch.Tensor, where: Placement) -> bool:
+        if capturing_graph():
+            return self._publish_in_graph(output, layer, coords, tensor, where)
         replay_queue = self._awaiting_replay[(layer, output, coords.vpp)]
         microbatch, invocation = self.step.microbatch, 0
         if inside_backward():
@@ -86,7 +103,21 @@ class Capture:
             self.stats.replays_recorded += 1
         elif self.config.record_replays:
             replay_queue.append(microbatch)
-        key = RecordKey(
+        key = self._key(output, layer, coords, tensor, where, microbatch, invocation)
+        if self.transport.publish(key, tensor):
+            return True
+        self.stats.dropped_keys.append(key)
+        return False
+
+    def _publish_in_graph(self, output, layer, coords, tensor, where) -> bool:
+        """Enqueue a device-gated producer; iteration/microbatch come from the device context
+        block that the runtime sets before each replay (see DMIRuntime.before_forward)."""
+        site = self.transport.register_site(self._key(output, layer, coords, tensor, where, 0, 0))
+        mask = GATE_REPLAY if inside_backward() else GATE_ORIGINAL
+        return self.transport.publish_site(site, tensor, mask=mask)
+
+    def _key(self, output, layer, coords, tensor, where, microbatch: int, invocation: int) -> RecordKey:
+        return RecordKey(
             run_id=self.run_id,
             phase=self.step.phase,
             iteration=self.step.iteration,
@@ -104,7 +135,3 @@ class Capture:
             dtype=dtype_name(tensor.dtype),
             shape=tuple(tensor.shape),
         )
-        if self.transport.publish(key, tensor):
-            return True
-        self.stats.dropped_keys.append(key)
-        return False

@@ -198,6 +198,13 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
         if why is not None:
             _fail("--dmi-clickhouse-url", f"ClickHouse at {args.dmi_clickhouse_url} is unreachable ({why}); "
                                           "fix the URL or use --dmi-persist spool and load the spool later")
+    if getattr(args, "cuda_graph_impl", "none") != "none":
+        if args.dmi_transport == "torch":
+            _fail("--dmi-transport", "CUDA graphs (--cuda-graph-impl) need the native transport (its device gate "
+                                     "and context block replay with the graph); use native or auto")
+        if args.dmi_record_replays:
+            _fail("--dmi-record-replays", "recompute replays cannot be recorded under CUDA graphs; they are "
+                                          "rejected by the device gate")
     store_dir = config_from_args(args).store_dir
     try:
         os.makedirs(store_dir, mode=0o700, exist_ok=True)

@@ -21,7 +21,7 @@ import megatron.training.training as mt_training
 from megatron.training import get_args, print_rank_0
 
 from megatron.core.dmi import __version__ as dmi_version
-from megatron.core.dmi.capture import Capture
+from megatron.core.dmi.capture import GATE_ORIGINAL, Capture
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.drain import Drain
 from megatron.core.dmi.hooks.install import HookSet, rank_coords
@@ -102,6 +102,12 @@ class DMIRuntime:
         self._step: tuple[str, int] | None = None
         self._microbatch: dict[int, int] = {}
         self._drops_written = 0
+        # Under CUDA graphs the producers replay without Python: the device gate and context block
+        # carry the step, set on the stream before every forward.
+        self._device_context = getattr(args, "cuda_graph_impl", "none") != "none"
+        if self._device_context and not hasattr(self.transport, "publish_site"):
+            raise RuntimeError("DMI: CUDA graphs need the native transport, which could not be built here "
+                               "(run `python -m megatron.core.dmi doctor --build`)")
         self._patch_training_loop()
         atexit.register(DMIRuntime.shutdown)
         print_rank_0(
@@ -149,9 +155,14 @@ class DMIRuntime:
             self._microbatch.clear()
             self.capture.begin_step(*step)
             self._write_new_drops()
+            if self._device_context:
+                self.transport.set_gate_word(GATE_ORIGINAL if self.capture.step.active else 0)
         microbatch = self._microbatch.get(chunk_id, 0)
         self._microbatch[chunk_id] = microbatch + 1
         self.capture.set_microbatch(microbatch)
+        if self._device_context and self.capture.step.active:
+            self.transport.set_context(iteration=step[1], microbatch=microbatch, attempt=self.attempt,
+                                       phase=step[0], invocation=0)
 
     def _write_new_drops(self) -> None:
         keys = self.capture.stats.dropped_keys
