@@ -1,0 +1,350 @@
+"""Step-time overhead of DMI on one GPU, arms interleaved round after round (DESIGN.md section 10).
+
+A megatron-core MoE GPT (local spec, bf16) trains with a fused AdamW; each round runs every arm
+for a block of steps, timed with CUDA events:
+
+  off          DMI off
+  router       --dmi-hooks router, native ring, spooled (everything persisted)
+  router_attn  --dmi-hooks router,attn, native ring, spooled
+  sync_cpu     plain forward hooks doing synchronous .cpu() of the same tensors
+  pinned       plain forward hooks copying to pinned buffers on a side stream (persists nothing)
+  torch_ring   router,attn through DMI's pure-PyTorch transport, spooled
+
+Then a dense model whose whole forward+backward is captured in a CUDA graph, with and without DMI's
+attention producers inside the graph (gate + context set before every replay):
+
+  graph_off, graph_dmi
+
+Prints a table and writes JSON:  python benchmarks/overhead.py --out results.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import socket
+import statistics
+import threading
+import time
+
+import numpy as np
+import torch
+
+from megatron.core import parallel_state as ps
+from megatron.core.dmi.capture import GATE_ORIGINAL, Capture
+from megatron.core.dmi.catalog import parse_hooks
+from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.drain import Drain
+from megatron.core.dmi.hooks import HookSet
+from megatron.core.dmi.hooks.install import rank_coords
+from megatron.core.dmi.sinks import SpoolSink
+from megatron.core.dmi.transport.native import NativeRingTransport
+from megatron.core.dmi.transport.torch_ring import TorchRingTransport
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+MOE_ARMS = ("off", "router", "router_attn", "sync_cpu", "pinned", "torch_ring")
+GRAPH_ARMS = ("graph_off", "graph_dmi")
+
+
+def init_distributed() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(1234)
+
+
+def build_model(a: argparse.Namespace, moe: bool) -> GPTModel:
+    config = TransformerConfig(
+        num_layers=a.layers, hidden_size=a.hidden, ffn_hidden_size=a.ffn, num_attention_heads=a.heads,
+        num_moe_experts=a.experts if moe else None, moe_router_topk=a.topk, moe_ffn_hidden_size=a.moe_ffn,
+        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none", moe_router_dtype="fp32",
+        add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, apply_rope_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
+        hidden_dropout=0.0, attention_dropout=0.0,
+    )
+    spec = get_gpt_layer_local_spec(num_experts=a.experts if moe else None)
+    model = GPTModel(config, spec, vocab_size=a.vocab, max_sequence_length=a.seq, position_embedding_type="rope")
+    return model.cuda()
+
+
+class DMIArm:
+    """DMI as the training integration wires it, minus Megatron's loop: spool sink, drain, hooks."""
+
+    def __init__(self, model, hooks: str, transport: str, a, spool_root: str):
+        self.config = DMIConfig(hooks=parse_hooks(hooks), ring_mb=a.ring_mb, persist="spool")
+        cls = NativeRingTransport if transport == "native" else TorchRingTransport
+        self.transport = cls(self.config.ring_bytes, "block", torch.device("cuda", 0))
+        self.sink = SpoolSink(f"bench-{hooks}-{transport}", rank_coords(), spool_root)
+        self.drain = Drain(self.transport, self.sink)
+        self.capture = Capture(self.config, self.transport, self.sink.run_id, 1)
+        self.hooks = HookSet(self.capture)
+        self.hooks.attach(model)
+        self.iteration = 0
+
+    def step(self) -> None:
+        self.iteration += 1
+        self.capture.begin_step("train", self.iteration)
+        self.capture.set_microbatch(0)
+
+    def detach(self) -> None:
+        self.hooks.remove()
+
+    def close(self) -> dict:
+        t0 = time.perf_counter()
+        self.drain.flush()
+        flush_s = time.perf_counter() - t0
+        self.drain.close()
+        self.transport.close()
+        report = self.sink.close()
+        s = self.transport.stats
+        return {"published": s.published, "published_bytes": s.published_bytes, "dropped": s.dropped,
+                "persisted": report.records_written, "persisted_bytes": report.bytes_written, "final_flush_s": flush_s}
+
+
+class PlainHooks:
+    """What a careful user writes by hand: forward hooks on the same modules (router decisions and
+    attention context), either synchronous .cpu() or pinned copies on a side stream."""
+
+    def __init__(self, model, mode: str):
+        self.mode = mode
+        self.stream = torch.cuda.Stream()
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.handles = []
+        for m in model.modules():
+            if isinstance(m, TopKRouter):
+                self.handles.append(m.register_forward_hook(self.router_hook))
+            if hasattr(m, "self_attention"):
+                self.handles.append(m.self_attention.core_attention.register_forward_hook(self.attn_hook))
+
+    def copy(self, key, t: torch.Tensor) -> None:
+        if self.mode == "sync_cpu":
+            t.detach().cpu()
+            return
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != t.shape:
+            buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            buf.copy_(t.detach(), non_blocking=True)
+        t.record_stream(self.stream)
+
+    def router_hook(self, module, args, output):
+        probs, routing_map = output
+        self.copy((id(module), 0), probs)
+        self.copy((id(module), 1), routing_map)
+
+    def attn_hook(self, module, args, output):
+        self.copy((id(module), 2), output)
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def batch(a):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = torch.randint(0, a.vocab, (a.mbs, a.seq), device="cuda", generator=g)
+    pos = torch.arange(a.seq, device="cuda").unsqueeze(0).expand(a.mbs, a.seq)
+    return ids, pos
+
+
+def train_step(model, opt, ids, pos) -> None:
+    loss = model(ids, pos, attention_mask=None, labels=ids).float().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+def timed(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def bootstrap_ci(xs, base, n=2000, seed=0) -> tuple[float, float, float]:
+    """Overhead of median(xs) over median(base) in percent, with a 95% bootstrap interval."""
+    rng = np.random.default_rng(seed)
+    xs, base = np.asarray(xs), np.asarray(base)
+    point = (np.median(xs) / np.median(base) - 1) * 100
+    samples = [(np.median(rng.choice(xs, xs.size)) / np.median(rng.choice(base, base.size)) - 1) * 100 for _ in range(n)]
+    return float(point), float(np.percentile(samples, 2.5)), float(np.percentile(samples, 97.5))
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU time of this process's DMI threads (Python-named ones; the native drain is a C++ thread)."""
+    import psutil
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for t in psutil.Process().threads():
+        name = names.get(t.id, "native")
+        out[name] = out.get(name, 0.0) + t.user_time + t.system_time
+    return out
+
+
+def run_moe(a, spool_root: str) -> tuple[dict, dict]:
+    model = build_model(a, moe=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids, pos = batch(a)
+    for _ in range(3):
+        train_step(model, opt, ids, pos)
+    times = {arm: [] for arm in MOE_ARMS}
+    totals: dict[str, dict] = {}
+    for rnd in range(a.rounds):
+        for arm in MOE_ARMS:
+            dmi = plain = None
+            if arm in ("router", "router_attn", "torch_ring"):
+                hooks = "router" if arm == "router" else "router,attn"
+                dmi = DMIArm(model, hooks, "torch" if arm == "torch_ring" else "native", a, spool_root)
+            elif arm in ("sync_cpu", "pinned"):
+                plain = PlainHooks(model, arm)
+            for i in range(a.warmup + a.steps):
+                if dmi:
+                    dmi.step()
+                ms = timed(lambda: train_step(model, opt, ids, pos))
+                if i >= a.warmup:
+                    times[arm].append(ms)
+            if plain:
+                torch.cuda.synchronize()
+                plain.detach()
+            if dmi:
+                dmi.detach()
+                stats = dmi.close()
+                acc = totals.setdefault(arm, {})
+                for k, v in stats.items():
+                    acc[k] = acc.get(k, 0) + v
+        print(f"round {rnd + 1}/{a.rounds}: " + "  ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items()), flush=True)
+    return times, totals
+
+
+def run_graphs(a, spool_root: str) -> tuple[dict, dict]:
+    """Whole forward+backward of a dense model in one torch CUDA graph, with and without DMI."""
+    model = build_model(a, moe=False)
+    ids, pos = batch(a)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def fwd_bwd():
+        model(ids, pos, attention_mask=None, labels=ids).float().mean().backward()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fwd_bwd()
+    torch.cuda.current_stream().wait_stream(side)
+    graphs = {"graph_off": torch.cuda.CUDAGraph()}
+    with torch.cuda.graph(graphs["graph_off"]):
+        fwd_bwd()
+    dmi = DMIArm(model, "attn,attn.q,attn.k", "native", a, spool_root)
+    dmi.capture.begin_step("train", 0)  # inactive step: eager firings would be skipped; capture ignores it
+    graphs["graph_dmi"] = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graphs["graph_dmi"]):
+        fwd_bwd()
+    dmi.detach()
+    times = {arm: [] for arm in GRAPH_ARMS}
+    replays = 0
+    for rnd in range(a.rounds):
+        for arm in GRAPH_ARMS:
+            for i in range(a.warmup + a.steps):
+                if arm == "graph_dmi":
+                    replays += 1
+                    dmi.transport.set_gate_word(GATE_ORIGINAL)
+                    dmi.transport.set_context(iteration=replays, microbatch=0, attempt=1, phase="train", invocation=0)
+                ms = timed(graphs[arm].replay)
+                if i >= a.warmup:
+                    times[arm].append(ms)
+    # Gate closed: a replay must publish nothing.
+    dmi.transport.set_gate_word(0)
+    graphs["graph_dmi"].replay()
+    torch.cuda.synchronize()
+    stats = dmi.close()
+    stats["replays_with_gate_open"] = replays
+    stats["expected_records"] = replays * a.layers * 3
+    stats["rejected"] = dmi.transport.stats.rejected
+    return times, {"graph_dmi": stats}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--ffn", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--moe-ffn", type=int, default=2048)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per arm per round")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per arm per round")
+    p.add_argument("--ring-mb", type=float, default=1024)
+    p.add_argument("--spool", default="/tmp/dmi_bench_spool")
+    p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, to check the script runs")
+    p.add_argument("--skip-graphs", action="store_true")
+    a = p.parse_args()
+    if a.quick:
+        a.layers, a.hidden, a.ffn, a.heads, a.experts, a.moe_ffn, a.seq, a.vocab, a.rounds, a.steps = (
+            2, 256, 512, 4, 8, 256, 256, 1024, 2, 2)
+    init_distributed()
+    t0 = time.perf_counter()
+    NativeRingTransport(1 << 20, "block", torch.device("cuda", 0)).close()
+    jit_first_s = time.perf_counter() - t0
+    cpu0 = thread_cpu_seconds()
+    wall0 = time.perf_counter()
+    times, totals = run_moe(a, os.path.join(a.spool, "moe"))
+    moe_wall = time.perf_counter() - wall0
+    cpu1 = thread_cpu_seconds()
+    if not a.skip_graphs:
+        gtimes, gtotals = run_graphs(a, os.path.join(a.spool, "graphs"))
+        times.update(gtimes)
+        totals.update(gtotals)
+    result = {
+        "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "args": vars(a),
+        "jit_first_construct_s": jit_first_s,
+        "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "pinned_staging_gib_per_native_transport": a.ring_mb / 1024,
+        "moe_phase_wall_s": moe_wall,
+        "thread_cpu_s_during_moe": {k: cpu1.get(k, 0) - cpu0.get(k, 0) for k in cpu1},
+        "arms": {},
+    }
+    for arm, xs in times.items():
+        base = times["graph_off" if arm.startswith("graph") else "off"]
+        over, lo, hi = bootstrap_ci(xs, base)
+        entry = {"median_ms": statistics.median(xs), "n": len(xs), "overhead_pct": over, "ci95": [lo, hi],
+                 "samples_ms": xs}
+        entry.update(totals.get(arm, {}))
+        result["arms"][arm] = entry
+    c = result["arms"].get("router_attn", {})
+    if c.get("persisted_bytes"):
+        timed_s = sum(times["router_attn"]) / 1000
+        result["router_attn_persisted_gb_per_s_of_step_time"] = c["persisted_bytes"] / 1e9 / timed_s
+    print(f"\n{'arm':12} {'median ms':>10} {'overhead %':>11} {'95% CI':>17} {'records':>9} {'dropped':>8}")
+    for arm, e in result["arms"].items():
+        print(f"{arm:12} {e['median_ms']:10.2f} {e['overhead_pct']:11.2f} [{e['ci95'][0]:6.2f}, {e['ci95'][1]:6.2f}]"
+              f" {e.get('persisted', '-'):>9} {e.get('dropped', '-'):>8}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()
