@@ -46,6 +46,7 @@ from megatron.core.dmi.transport.torch_ring import TorchRingTransport
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -74,7 +75,7 @@ def build_model(a: argparse.Namespace, moe: bool) -> GPTModel:
     )
     spec = get_gpt_layer_local_spec(num_experts=a.experts if moe else None)
     model = GPTModel(config, spec, vocab_size=a.vocab, max_sequence_length=a.seq, position_embedding_type="rope")
-    return model.cuda()
+    return Float16Module(config, model.cuda())  # bf16 params, fp32 logits: how Megatron wraps it
 
 
 class DMIArm:
@@ -293,7 +294,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=5, help="timed steps per arm per round")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per arm per round")
-    p.add_argument("--ring-mb", type=float, default=1024)
+    p.add_argument("--ring-mb", type=float, default=512)
     p.add_argument("--spool", default="/tmp/dmi_bench_spool")
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="tiny sizes, to check the script runs")

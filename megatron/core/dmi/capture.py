@@ -28,6 +28,16 @@ def capturing_graph() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def in_graph_warmup() -> bool:
+    """megatron-core runs each layer eagerly a few times before capturing its CUDA graphs; those
+    runs are not training forwards and must not be recorded."""
+    try:
+        from megatron.core.transformer.cuda_graphs import is_graph_warmup
+    except ImportError:
+        return False
+    return is_graph_warmup()
+
+
 def inside_backward() -> bool:
     """True while autograd runs a backward pass: the signature of a recompute replay.
 
@@ -84,7 +94,7 @@ class Capture:
     def wants(self, output: str, layer: int) -> bool:
         """Selected output and layer, in a captured step; while a CUDA graph is being captured the
         step does not matter: the graph's producer is gated on the device at every replay."""
-        if output not in self.config.hooks or not self.config.captures_layer(layer):
+        if output not in self.config.hooks or not self.config.captures_layer(layer) or in_graph_warmup():
             return False
         return self.step.active or capturing_graph()
 
