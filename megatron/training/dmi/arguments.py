@@ -19,16 +19,27 @@ from megatron.core.dmi.transport.base import SLOT_ALIGN
 PASSWORD_ENV = "DMI_CLICKHOUSE_PASSWORD"
 
 
-def _hooks(value: str) -> frozenset[str]:
+# Parsed values are plain sorted tuples, not frozensets: Megatron saves ``args`` inside every
+# checkpoint and ``torch.load(weights_only=True)`` refuses a frozenset, which would make a DMI run's
+# checkpoints unloadable (``--load``). config_from_args turns them into frozensets.
+def _hooks(value: str) -> tuple[str, ...]:
     try:
-        return parse_hooks(value)
+        return tuple(sorted(parse_hooks(value)))
     except HookSelectionError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _layers(value: str) -> frozenset[int] | None:
+MAX_LAYER = 1 << 16
+
+
+def _layers(value: str) -> tuple[int, ...] | None:
+    # Bound every number first: "0-99999999999" must be an error, not a set of 10^11 layers.
+    for num in "".join(c if c.isdigit() else " " for c in value).split():
+        if len(num) > 6 or int(num) >= MAX_LAYER:
+            raise argparse.ArgumentTypeError(f"layer {num[:12]!r} in {value[:80]!r} is out of range (0..{MAX_LAYER - 1})")
     try:
-        return parse_layers(value)
+        layers = parse_layers(value)
+        return None if layers is None else tuple(sorted(layers))
     except LayerRangeError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -53,18 +64,24 @@ def _ring_mb(value: str) -> float:
     return mb
 
 
-def _phases(value: str) -> frozenset[str]:
+def _phases(value: str) -> tuple[str, ...]:
     phases = frozenset(p.strip() for p in value.split(","))
     unknown = phases - set(PHASES)
     if unknown or not phases:
         raise argparse.ArgumentTypeError(f"unknown phase(s) {sorted(unknown)} in {value!r} (known: {', '.join(PHASES)})")
-    return phases
+    return tuple(sorted(phases))
 
 
 def _clickhouse_url(value: str) -> str:
-    url = urllib.parse.urlsplit(value)
+    from megatron.core.dmi.sinks.backend import ServerURLError, parse_server_url, redact
+
+    shown = redact(value, None)  # never echo a user:password@ part back
+    try:
+        url = urllib.parse.urlsplit(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected http(s)://host:port, got {shown!r} ({exc})") from None
     if url.scheme not in ("http", "https") or not url.hostname:
-        raise argparse.ArgumentTypeError(f"expected http(s)://host:port, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected http(s)://host:port, got {shown!r}")
     if url.password is not None:
         raise argparse.ArgumentTypeError(
             f"put the password in ${PASSWORD_ENV} or --dmi-clickhouse-password-file, not in the URL"
@@ -72,8 +89,21 @@ def _clickhouse_url(value: str) -> str:
     try:
         url.port
     except ValueError:
-        raise argparse.ArgumentTypeError(f"bad port in {value!r}") from None
+        raise argparse.ArgumentTypeError(f"bad port in {shown!r}") from None
+    try:
+        parse_server_url(value)
+    except ServerURLError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--dmi-clickhouse-url ")) from None
     return value
+
+
+def _database(value: str) -> str:
+    from megatron.core.dmi.sinks.schema import IdentifierError, check_identifier
+
+    try:
+        return check_identifier(value, "database name")
+    except IdentifierError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _run_id(value: str) -> str:
@@ -84,7 +114,7 @@ def _run_id(value: str) -> str:
 
 def add_dmi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("dmi", "Deep Model Inspection: capture model internals while training")
-    g.add_argument("--dmi-hooks", type=_hooks, default=frozenset(),
+    g.add_argument("--dmi-hooks", type=_hooks, default=(),
                    help="comma list of hook groups or outputs (router, attn, router.logits, attn.q, ..., all, none); "
                         "default none: DMI is off")
     g.add_argument("--dmi-persist", choices=("clickhouse", "spool", "none"), default="clickhouse",
@@ -94,13 +124,14 @@ def add_dmi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="store and spool directory (default: <--save>/dmi_store, else ./dmi_store)")
     g.add_argument("--dmi-clickhouse-url", type=_clickhouse_url, default=None,
                    help=f"ClickHouse server http(s)://host:port (password from ${PASSWORD_ENV} or the file flag)")
-    g.add_argument("--dmi-clickhouse-database", default="dmi", help="database on the ClickHouse server")
+    g.add_argument("--dmi-clickhouse-database", type=_database, default="dmi",
+                   help="database name, in the server or the embedded store (letters, digits, '_')")
     g.add_argument("--dmi-clickhouse-password-file", default=None, help="file holding the ClickHouse password")
     g.add_argument("--dmi-interval", type=_positive_int, default=1, help="capture every N-th iteration")
     g.add_argument("--dmi-start-iter", type=_positive_int, default=1, help="first captured iteration (1-based)")
     g.add_argument("--dmi-end-iter", type=_positive_int, default=None, help="last captured iteration")
     g.add_argument("--dmi-layers", type=_layers, default=None, help="global 0-based layers, e.g. 0,4-7 (default all)")
-    g.add_argument("--dmi-phases", type=_phases, default=frozenset({"train"}), help="phases captured: train,valid")
+    g.add_argument("--dmi-phases", type=_phases, default=("train",), help="phases captured: train,valid")
     g.add_argument("--dmi-ring-mb", type=_ring_mb, default=64.0, help="payload ring size per process in MiB")
     g.add_argument("--dmi-on-full", choices=("block", "drop"), default="block",
                    help="ring full: block the producer until space frees, or drop (counted, logged, stored)")
@@ -124,7 +155,7 @@ def config_from_args(args: argparse.Namespace) -> DMIConfig:
     if args.dmi_end_iter is not None and args.dmi_end_iter < args.dmi_start_iter:
         _fail("--dmi-end-iter", f"{args.dmi_end_iter} is before --dmi-start-iter {args.dmi_start_iter}")
     return DMIConfig(
-        hooks=args.dmi_hooks,
+        hooks=frozenset(args.dmi_hooks),
         persist=args.dmi_persist,
         store_dir=store_dir,
         clickhouse_url=args.dmi_clickhouse_url,
@@ -133,8 +164,8 @@ def config_from_args(args: argparse.Namespace) -> DMIConfig:
         interval=args.dmi_interval,
         start_iter=args.dmi_start_iter,
         end_iter=args.dmi_end_iter,
-        layers=args.dmi_layers,
-        phases=args.dmi_phases,
+        layers=None if args.dmi_layers is None else frozenset(args.dmi_layers),
+        phases=frozenset(args.dmi_phases),
         ring_mb=args.dmi_ring_mb,
         on_full=args.dmi_on_full,
         transport=args.dmi_transport,
@@ -167,8 +198,12 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
 
 def _ping(url: str) -> str | None:
     """None if the server answers /ping, else why not."""
+    u = urllib.parse.urlsplit(url)
+    host = f"[{u.hostname}]" if ":" in (u.hostname or "") else u.hostname
+    port = u.port or (8443 if u.scheme == "https" else 8123)
+    ping = f"{u.scheme}://{host}:{port}/ping"  # without user@: /ping needs no credentials
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/ping", timeout=5) as r:
+        with urllib.request.urlopen(ping, timeout=5) as r:
             return None if r.status == 200 else f"HTTP {r.status}"
     except (OSError, ValueError) as exc:
         return str(getattr(exc, "reason", exc))

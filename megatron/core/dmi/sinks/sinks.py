@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from typing import Sequence
 
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from megatron.core.dmi.records import ParallelCoords, Record, RecordKey, records_to_table
 from megatron.core.dmi.sinks import schema as S
@@ -242,6 +243,36 @@ class EmbeddedSink(SpoolSink):
         # Ingest everything (all ranks closed) before our own report, so its counts are final.
         if self.ingester is not None:
             self._final_pass(close=False)
+            if self.ingester.owner:
+                self._count_leftover_spool()
+
+    def _count_leftover_spool(self) -> None:
+        """Our tensor segments the final ingest could not load (e.g. the store refused inserts) are
+        not in the store: report them as spooled (a reader or ``load`` picks them up), not written."""
+        import pyarrow.parquet as pq
+
+        from megatron.core.dmi.sinks.spool import list_segments
+
+        rows = nbytes = 0
+        for seg in list_segments(self.spool_root, ranks={self.coords.rank}):
+            if seg.kind != "tensors":
+                continue
+            try:
+                t = pq.read_table(seg.path, columns=["nbytes"])
+            except Exception:  # a corrupt leftover is reported by the ingester already
+                continue
+            rows += t.num_rows
+            nbytes += int(pa.compute.sum(t.column("nbytes")).as_py() or 0)
+        if rows:
+            with self._buf_lock:
+                moved = min(rows, self.report.records_written)
+                self.report.records_written -= moved
+                self.report.bytes_written = max(0, self.report.bytes_written - nbytes)
+                self.report.records_spooled += moved
+                self.report.bytes_spooled += nbytes
+            log.warning("DMI rank %d: %d record(s) could not be loaded into the store and remain in %s; "
+                        "opening the store (python -m megatron.core.dmi show %s) loads them",
+                        self.coords.rank, rows, self.spool.dir, self.store_dir)
 
     def _after_close(self) -> None:
         if self.ingester is not None:
