@@ -1,0 +1,87 @@
+"""Launch pretrain_gpt.py with one fault injected at the start of a training iteration.
+
+    DMI_FAULT=<kind> DMI_FAULT_ITER=<n> python tests/fault_tests/fault_launch.py <pretrain_gpt.py args>
+
+Kinds (each first flushes DMI so that everything captured before iteration n is in the sink, and
+prints ``FAULT <kind> at iteration <n>: ...`` with the counts it saw):
+
+- ``rename_tensors``: someone renames the embedded store's tensors table away (``RENAME TABLE
+  dmi.tensors TO dmi.tensors_moved``) mid-run, through the session of the process that owns the
+  store (chDB lets no other process in); every later insert of the ingester fails.
+- ``disk_full``: the file system of the store directory is filled to the last byte (a file of zeros
+  in ``$DMI_FAULT_FILL_DIR``), so every later spool segment hits ENOSPC.
+- ``kill``: ``kill -9`` of this very process (SIGKILL: no atexit, no flush, no report).
+"""
+
+import os
+import signal
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+
+import pretrain_gpt  # noqa: E402  (its import prepares the process exactly as a real run)
+
+from megatron.training.dmi import runtime as dmi_runtime  # noqa: E402
+
+KIND = os.environ.get("DMI_FAULT", "")
+AT = int(os.environ.get("DMI_FAULT_ITER", "3"))
+_fired = False
+
+
+def _say(msg: str) -> None:
+    print(f"FAULT {KIND} at iteration {AT}: {msg}", flush=True)
+
+
+def _rename_tensors(rt) -> None:
+    ing = rt.sink.ingester
+    ing.run_pass()  # what was flushed so far is in the store
+    db = ing.backend.database
+    n = ing.backend.query_arrow(f"SELECT count() AS n FROM {db}.tensors").column("n")[0].as_py()
+    ing.backend.command(f"RENAME TABLE {db}.tensors TO {db}.tensors_moved")
+    _say(f"tensors table held {n} records; renamed it to {db}.tensors_moved")
+
+
+def _disk_full(rt) -> None:
+    target = os.path.join(os.environ["DMI_FAULT_FILL_DIR"], "filler.bin")
+    written = 0
+    block = b"\0" * 4096
+    with open(target, "ab", buffering=0) as f:
+        try:
+            while True:
+                written += f.write(block)
+        except OSError:
+            pass
+        # the last partial block too
+        for size in (2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
+            try:
+                while True:
+                    written += f.write(block[:size])
+            except OSError:
+                pass
+    _say(f"filled the file system with {written} bytes")
+
+
+def _kill(rt) -> None:
+    _say(f"captured {rt.transport.stats.published} records; kill -9 now")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+FAULTS = {"rename_tensors": _rename_tensors, "disk_full": _disk_full, "kill": _kill}
+_before_forward = dmi_runtime.DMIRuntime.before_forward
+
+
+def before_forward(self, model):
+    global _fired
+    if not _fired and model.training and self.args.curr_iteration + 1 >= AT:
+        _fired = True
+        self.flush()
+        FAULTS[KIND](self)
+    return _before_forward(self, model)
+
+
+if __name__ == "__main__":
+    if KIND:
+        dmi_runtime.DMIRuntime.before_forward = before_forward
+    sys.argv[0] = os.path.join(REPO, "pretrain_gpt.py")
+    pretrain_gpt.main()

@@ -1,0 +1,276 @@
+"""Fault tests (issue 7, DESIGN sections 7 and 8): real pretrain_gpt.py runs of the tiny MoE in CPU
+mode with a fault injected, each asserting the record counts before and after the fault (read
+back through the real reader, in its own process) and the report the run printed.
+
+Every run captures ``router`` (4 outputs) on 2 layers x 2 microbatches: 16 records an iteration.
+"""
+
+import glob
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.functional_tests.launch import REPO, tiny_moe_args
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PER_ITER = 4 * 2 * 2
+SECRET = "Pw-0f-th3-f4ult-t3sts!"
+TORCH_CKPT = ["--ckpt-format", "torch"]  # torch_dist needs psutil, which megatron-core does not declare
+
+
+def train(tmp, args, fault="", at=3, env=None, timeout=300):
+    """pretrain_gpt.py (through fault_launch.py) in CPU mode; returns (returncode, combined output)."""
+    e = dict(os.environ, PYTHONUNBUFFERED="1", DMI_FAULT=fault, DMI_FAULT_ITER=str(at))
+    e.pop("DMI_CLICKHOUSE_PASSWORD", None)
+    e.update(env or {})
+    cmd = [sys.executable, os.path.join(HERE, "fault_launch.py"), *tiny_moe_args(), "--cpu-dev-mode", *args]
+    p = subprocess.run(cmd, cwd=tmp, env=e, capture_output=True, text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    with open(os.path.join(tmp, f"train-{fault or 'plain'}.log"), "a") as f:
+        f.write(" ".join(cmd) + "\n" + out)
+    return p.returncode, out
+
+
+def read_store(store, *extra):
+    p = subprocess.run([sys.executable, os.path.join(HERE, "read_store.py"), store, *extra], capture_output=True,
+                       text=True, cwd=REPO, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("READ_STORE "))
+    return json.loads(line[len("READ_STORE "):]), p.stdout + p.stderr
+
+
+def cli(*args):
+    p = subprocess.run([sys.executable, "-m", "megatron.core.dmi", *args], capture_output=True, text=True, cwd=REPO,
+                       timeout=300)
+    return p.returncode, p.stdout + p.stderr
+
+
+def report_line(out):
+    lines = out.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("DMI end-of-run report"))
+    return lines[i + 1]
+
+
+def only_run(data):
+    assert len(data["runs"]) == 1, data["runs"].keys()
+    return next(iter(data["runs"].values()))
+
+
+def spool_rows(store):
+    return sum(pq.read_metadata(p).num_rows for p in glob.glob(os.path.join(store, "spool", "rank-*", "[0-9]*.parquet")))
+
+
+# -- ClickHouse unreachable at start; spool mode works --------------------------------------------
+@pytest.fixture(scope="module")
+def spool_run(tmp_path_factory):
+    """The user's fallback when the server is down: --dmi-persist spool (the URL is not used),
+    with a password file and a checkpoint every iteration (one spool segment per iteration)."""
+    tmp = str(tmp_path_factory.mktemp("spool"))
+    pwfile = os.path.join(tmp, "pw")
+    with open(pwfile, "w") as f:
+        f.write(SECRET)
+    os.chmod(pwfile, 0o600)
+    store = os.path.join(tmp, "store")
+    rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-persist", "spool", "--dmi-clickhouse-url", "http://127.0.0.1:1",
+                          "--dmi-clickhouse-password-file", pwfile, "--dmi-store-dir", store,
+                          "--save", os.path.join(tmp, "ckpt"), "--save-interval", "1", *TORCH_CKPT])
+    assert rc == 0, out[-4000:]
+    return tmp, store, out
+
+
+def test_unreachable_url_at_start_is_a_clear_startup_error(tmp_path):
+    store = str(tmp_path / "store")
+    rc, out = train(str(tmp_path), ["--dmi-hooks", "router", "--dmi-clickhouse-url", "http://127.0.0.1:1",
+                                    "--dmi-store-dir", store], env={"DMI_CLICKHOUSE_PASSWORD": SECRET})
+    assert rc == 1, out[-3000:]
+    err = [ln for ln in out.splitlines() if ln.startswith("error: argument --dmi-clickhouse-url")]
+    assert err and "unreachable" in err[0] and "--dmi-persist spool" in err[0], out[-3000:]
+    assert "Traceback" not in out and "iteration        1/" not in out  # before any training step
+    assert SECRET not in out
+    assert not glob.glob(os.path.join(store, "spool", "*", "*.parquet"))  # nothing captured
+
+
+def test_spool_mode_with_the_server_down_keeps_every_record(spool_run):
+    tmp, store, out = spool_run
+    assert "into spool" in out
+    assert "captured 64 records" in report_line(out) and "written 64" in report_line(out)
+    assert spool_rows(store) == 4 * PER_ITER
+    # loaded later with one command, into a fresh embedded store: every record, every iteration
+    target = os.path.join(tmp, "loaded")
+    rc, msg = cli("load", store, "--store", target)
+    assert rc == 0 and f"{4 * PER_ITER} record(s)" in msg, msg
+    run = only_run(read_store(target)[0])
+    assert run["visible_per_iteration"] == {str(i): PER_ITER for i in range(1, 5)}
+    assert run["duplicate_visible_keys"] == 0 and run["rebuilt"] == 4 * PER_ITER
+
+
+def test_corrupt_and_truncated_spool_segments_are_reported_and_the_rest_loads(spool_run, tmp_path):
+    import shutil
+
+    _, store, _ = spool_run
+    spool = str(tmp_path / "spool")
+    shutil.copytree(os.path.join(store, "spool"), spool)
+    segs = sorted(glob.glob(os.path.join(spool, "rank-*", "[0-9]*.parquet")))
+    assert len(segs) == 4, segs  # one tensor segment per iteration (a flush at every checkpoint)
+    lost = pq.read_metadata(segs[1]).num_rows + pq.read_metadata(segs[2]).num_rows
+    with open(segs[1], "r+b") as f:  # truncated: half of the file
+        f.truncate(os.path.getsize(segs[1]) // 2)
+    with open(segs[2], "r+b") as f:  # corrupted: garbage over the footer
+        f.seek(-64, os.SEEK_END)
+        f.write(os.urandom(64))
+    target = str(tmp_path / "loaded")
+    rc, msg = cli("load", spool, "--store", target)
+    assert rc == 1, msg  # the loader says something was wrong
+    assert f"{4 * PER_ITER - lost} record(s)" in msg and "2 corrupt" in msg, msg
+    assert os.path.basename(segs[1]) in msg and os.path.basename(segs[2]) in msg
+    run = only_run(read_store(target)[0])
+    assert run["visible_per_iteration"] == {"1": PER_ITER, "4": PER_ITER}
+    assert run["rebuilt"] == 4 * PER_ITER - lost
+
+
+def test_password_never_leaks_and_store_is_owner_only(spool_run):
+    tmp, store, out = spool_run
+    assert SECRET not in out
+    with open(os.path.join(tmp, "train-plain.log")) as f:
+        assert SECRET not in f.read()  # argv (first line) and every log line
+    for path in glob.glob(os.path.join(store, "**", "*"), recursive=True):
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                assert SECRET.encode() not in f.read(), path  # the runs table segment included
+    assert stat.S_IMODE(os.stat(store).st_mode) == 0o700
+    # everything below the store is reachable only through the 0700 directory
+    for d in glob.glob(os.path.join(store, "**", ""), recursive=True):
+        assert not stat.S_IMODE(os.stat(d).st_mode) & 0o002, d  # and nothing is world-writable
+
+
+# -- the server dies right after start-up: everything spools, nothing crashes ----------------------
+def test_server_gone_after_startup_spools_reports_and_loads_exactly(tmp_path):
+    tmp = str(tmp_path)
+    srv = subprocess.Popen([sys.executable, os.path.join(HERE, "ping_once_server.py")], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(srv.stdout.readline())
+        store = os.path.join(tmp, "store")
+        rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-clickhouse-url", f"http://dmi@127.0.0.1:{port}",
+                              "--dmi-store-dir", store], env={"DMI_CLICKHOUSE_PASSWORD": SECRET})
+    finally:
+        try:
+            srv.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+            srv.wait()
+    assert rc == 0, out[-4000:]
+    assert "ClickHouse server unavailable, spooling locally" in out
+    line = report_line(out)
+    assert "captured 64 records" in line and "written 0" in line and "spooled 64" in line and "dropped 0" in line, line
+    assert "remain spooled" in out and "megatron.core.dmi load" in out
+    assert SECRET not in out
+    assert spool_rows(store) == 4 * PER_ITER
+    target = os.path.join(tmp, "loaded")
+    rc, msg = cli("load", store, "--store", target)
+    assert rc == 0, msg
+    data, _ = read_store(target)
+    run = only_run(data)
+    assert run["visible_per_iteration"] == {str(i): PER_ITER for i in range(1, 5)}
+    assert run["reports"] and run["reports"][0]["records_spooled"] == 4 * PER_ITER
+    assert SECRET not in json.dumps(data)
+
+
+# -- an insert error mid-run: the store's tensors table is renamed away ----------------------------
+def test_tensors_table_renamed_mid_run_spools_reports_and_loses_nothing(tmp_path):
+    tmp = str(tmp_path)
+    store = os.path.join(tmp, "store")
+    rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-store-dir", store], fault="rename_tensors", at=3)
+    assert rc == 0, out[-4000:]
+    assert f"tensors table held {2 * PER_ITER} records" in out  # before the fault: iterations 1-2 stored
+    assert "DMI ingest pass failed" in out or "DMI final ingest failed" in out
+    line = report_line(out)
+    assert "captured 64 records" in line and f"written {2 * PER_ITER}" in line and f"spooled {2 * PER_ITER}" in line, line
+    assert "UNKNOWN_TABLE" in line  # the report names the failure
+    assert spool_rows(store) == 2 * PER_ITER  # iterations 3-4 wait in the spool
+    # opening the store re-creates the table and loads the spool; the moved table still holds 1-2
+    data, _ = read_store(store, "tensors_moved")
+    run = only_run(data)
+    assert data["ingest"]["records"] == 2 * PER_ITER
+    assert run["visible_per_iteration"] == {"3": PER_ITER, "4": PER_ITER}
+    assert data["extra"]["tensors_moved"] == 2 * PER_ITER
+
+
+# -- disk full while spooling -----------------------------------------------------------------------
+def _mount_tmpfs(path, size="1m"):
+    os.makedirs(path, exist_ok=True)
+    if os.geteuid() != 0:
+        return "mounting a tmpfs needs root"
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True, text=True)
+    return None if p.returncode == 0 else f"mount -t tmpfs failed: {p.stderr.strip()}"
+
+
+def test_disk_full_while_spooling_drops_loudly_and_keeps_what_was_written(tmp_path):
+    tmp = str(tmp_path)
+    mnt = os.path.join(tmp, "small")
+    why = _mount_tmpfs(mnt)
+    if why:
+        pytest.skip(why)
+    try:
+        store = os.path.join(mnt, "store")
+        rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-persist", "spool", "--dmi-store-dir", store,
+                              "--save", os.path.join(tmp, "ckpt"), "--save-interval", "1", *TORCH_CKPT],
+                        fault="disk_full", at=3, env={"DMI_FAULT_FILL_DIR": mnt})
+        assert rc == 0, out[-4000:]  # training continued
+        assert "filled the file system" in out
+        assert "iteration        4/       4" in out
+        assert "(disk full); those rows are DROPPED" in out  # the loud warning
+        line = report_line(out)
+        assert "captured 64 records" in line and f"written {2 * PER_ITER}" in line and f"dropped {2 * PER_ITER}" in line, line
+        assert spool_rows(store) == 2 * PER_ITER  # the segments written before the fault are intact
+        assert not glob.glob(os.path.join(store, "spool", "*", ".*.tmp"))  # and no half-written file
+        os.unlink(os.path.join(mnt, "filler.bin"))
+        target = os.path.join(tmp, "loaded")
+        rc, msg = cli("load", store, "--store", target)
+        assert rc == 0, msg
+        run = only_run(read_store(target)[0])
+        assert run["visible_per_iteration"] == {"1": PER_ITER, "2": PER_ITER}
+        assert run["rebuilt"] == 2 * PER_ITER
+    finally:
+        subprocess.run(["umount", "-l", mnt], capture_output=True)
+
+
+# -- kill -9 mid-run, then resume from the last checkpoint ------------------------------------------
+def test_kill_9_then_resume_stores_every_iteration_exactly_once(tmp_path):
+    tmp = str(tmp_path)
+    store, ckpt = os.path.join(tmp, "store"), os.path.join(tmp, "ckpt")
+    common = ["--dmi-hooks", "router", "--dmi-store-dir", store, "--save", ckpt, "--save-interval", "2",
+              "--train-iters", "6", *TORCH_CKPT]
+    rc, out = train(tmp, common, fault="kill", at=4)
+    assert rc == -9, out[-3000:]
+    assert "FAULT kill at iteration 4: captured 48 records" in out and "DMI end-of-run report" not in out
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "2"
+    # iteration 3 of attempt 1 was flushed before the kill: it must be superseded, not duplicated
+    rc, out2 = train(tmp, common + ["--load", ckpt])
+    assert rc == 0, out2[-4000:]
+    assert "attempt 2" in out2
+    line = report_line(out2)
+    assert "captured 64 records" in line and "dropped 0" in line, line  # iterations 3-6 of attempt 2
+    run = only_run(read_store(store)[0])
+    assert run["visible_per_iteration"] == {str(i): PER_ITER for i in range(1, 7)}
+    assert run["duplicate_visible_keys"] == 0
+    assert run["visible_attempt"] == {"train:1": 1, "train:2": 1, "train:3": 2, "train:4": 2, "train:5": 2,
+                                      "train:6": 2}
+    assert run["rows_per_attempt"]["1"] == 3 * PER_ITER and run["superseded"] == PER_ITER
+    assert run["rebuilt"] == 6 * PER_ITER
+
+
+# -- ring too small for one record ------------------------------------------------------------------
+def test_ring_smaller_than_one_record_is_a_startup_error_naming_the_flag(tmp_path):
+    # attn.context of the tiny model: 32 x 2 x 64 fp32 = 16 KiB > 0.01 MiB
+    store = str(tmp_path / "store")
+    rc, out = train(str(tmp_path), ["--dmi-hooks", "attn", "--dmi-ring-mb", "0.01", "--dmi-store-dir", store])
+    assert rc == 1, out[-3000:]
+    err = [ln for ln in out.splitlines() if ln.startswith("error: argument --dmi-ring-mb:")]
+    assert err and "cannot hold one record of 16384 bytes" in err[0], out[-3000:]
+    assert "Traceback" not in out and "iteration        1/" not in out

@@ -1,0 +1,105 @@
+"""Bad input (issue 7): property-based fuzzing of the --dmi-* group (only clean argparse errors,
+exit code 2, never a traceback) and hostile identifiers (rejected before any SQL is built)."""
+
+import argparse
+import contextlib
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron.core.dmi.sinks import schema as S
+from megatron.training.dmi.arguments import add_dmi_args, config_from_args
+from tests.functional_tests.launch import REPO, tiny_moe_args
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _parser():
+    return add_dmi_args(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+
+
+VALUE_FLAGS = [a for a in _parser()._actions if any(o.startswith("--dmi-") for o in a.option_strings) and a.nargs != 0]
+HOSTILE = st.sampled_from([
+    "", " ", "-1", "0", "nan", "inf", "-inf", "1e400", "1e-400", "9" * 5000, "0x10", "٣", "²", "0-99999999999",
+    "router,", ",", "all,none", "router;DROP TABLE x", "dmi'; DROP DATABASE dmi; --", "`dmi`", "a.b", "\x00", "\n",
+    "http://", "http://:80", "http://h:99999", "http://h:-1", "http://u:p@h:1", "ftp://h:1", "http://[::1", "http://h:1/x",
+    "http://h:1?q=1", "../../etc/passwd", "4-2", "0,4-7", "train,valid", "valid", "train,test", "x" * 200,
+])
+VALUES = st.one_of(HOSTILE, st.text(max_size=40), st.integers(-10**30, 10**30).map(str),
+                   st.floats(allow_nan=True).map(str))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(VALUE_FLAGS), VALUES), min_size=1, max_size=4))
+def test_fuzzed_dmi_values_parse_or_fail_cleanly(pairs):
+    argv = []
+    for action, value in pairs:
+        argv.append(f"{action.option_strings[0]}={value}")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ns = _parser().parse_args(argv)
+    except SystemExit as e:
+        assert e.code == 2
+        msg = err.getvalue()
+        assert "error: argument --dmi-" in msg and "Traceback" not in msg, msg
+        if "argument --dmi-clickhouse-url" in msg:
+            assert "p@h" not in msg  # a password in a URL is never echoed
+        return
+    # accepted: the config builds (or a start-up _fail, a clean SystemExit with a message)
+    ns.save = None
+    try:
+        cfg = config_from_args(ns)
+    except SystemExit as e:
+        assert str(e.code).startswith("error: argument --dmi-")
+        return
+    S.check_identifier(cfg.clickhouse_database)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(min_size=1, max_size=80))
+def test_identifiers_are_plain_or_rejected(name):
+    try:
+        S.check_identifier(name, "database name")
+    except S.IdentifierError:
+        return
+    assert name.isascii() and all(c.isalnum() or c == "_" for c in name) and not name[0].isdigit()
+
+
+HOSTILE_NAMES = ["dmi;DROP TABLE x", "dmi'", 'dmi"', "dmi`", "dmi.tensors", "dmi tensors", "dmi--", "1dmi", "",
+                 "dmі"]  # the last one has a Cyrillic i
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES)
+def test_hostile_database_names_are_rejected_everywhere(name, tmp_path):
+    with pytest.raises(SystemExit):
+        with contextlib.redirect_stderr(io.StringIO()):
+            _parser().parse_args(["--dmi-clickhouse-database", name])
+    with pytest.raises(S.IdentifierError):
+        S.qualified(name, "tensors")
+    with pytest.raises(S.IdentifierError):
+        S.qualified("dmi", name)
+    from megatron.core.dmi.sinks.backend import ServerBackend
+
+    with pytest.raises(S.IdentifierError):
+        ServerBackend("http://127.0.0.1:1", name)
+
+
+def test_hostile_database_name_in_a_real_run_and_in_the_cli(tmp_path):
+    store = str(tmp_path / "store")
+    p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny_moe_args(), "--cpu-dev-mode",
+                        "--dmi-hooks", "router", "--dmi-store-dir", store,
+                        "--dmi-clickhouse-database", "dmi; DROP DATABASE system"],
+                       capture_output=True, text=True, cwd=str(tmp_path), timeout=300)
+    assert p.returncode == 2
+    assert "error: argument --dmi-clickhouse-database: invalid database name" in p.stderr
+    assert "Traceback" not in p.stderr + p.stdout and not os.path.exists(store)
+    os.makedirs(store)
+    p = subprocess.run([sys.executable, "-m", "megatron.core.dmi", "show", store, "--database", "x'; DROP TABLE y"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert p.returncode == 2 and "invalid database name" in p.stderr and "Traceback" not in p.stderr
