@@ -5,7 +5,7 @@
 #      and a dense model with --cuda-graph-impl local: losses must be identical with and without DMI;
 #   3. the overhead benchmark (benchmarks/overhead.py), quick or full.
 # Spool files and logs are packed under $OUT for checking here (chDB is not on the GPU machine).
-#   bash benchmarks/gpu_session.sh quick|full
+#   bash benchmarks/gpu_session.sh quick|full|bench
 set -uo pipefail
 MODE=${1:-quick}
 OUT=${OUT:-/tmp/out}
@@ -16,6 +16,11 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 NCCL_ALG
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 source examples/tiny_moe_args.sh
+if [ "$MODE" = bench ]; then  # the benchmark alone
+  timeout 480 python3 benchmarks/overhead.py --out $OUT/overhead_h200.json > $OUT/bench.log 2>&1
+  grep -E "^round|graph arms|^[a-z_]+ +[0-9]" $OUT/bench.log; tail -3 $OUT/bench.log
+  exit
+fi
 train() {  # name, extra args...
   local name=$1; shift
   rm -rf /tmp/run_$name

@@ -110,7 +110,10 @@ class SpoolWriter:
             try:
                 with open(tmp, "wb") as f:
                     pq.write_table(
-                        table, f, compression="zstd",
+                        # Payloads are mostly incompressible floats and the store recompresses them;
+                        # compressing here only slows the drain (seen on an H200: the spool's zstd
+                        # made the drain fall behind a 256 MB/step capture).
+                        table, f, compression={c: ("none" if c == "payload" else "zstd") for c in table.schema.names},
                         use_dictionary=[c for c in _DICT_COLUMNS if c in table.schema.names],
                         write_statistics=[c for c in table.schema.names if c != "payload"],
                         row_group_size=max(1, min(table.num_rows, 8192)),
