@@ -136,6 +136,9 @@ def payload_to_tensor(payload: bytes, dtype: str, shape: Sequence[int]) -> torch
     return flat.view(torch_dtype).reshape(tuple(shape))
 
 
+# The producer's coordinates as columns (tensor, drops and topology tables).
+COORD_COLUMNS: list[tuple[str, pa.DataType]] = [(f.name, pa.int32()) for f in dataclasses.fields(ParallelCoords)]
+
 # Arrow schema of the tensor table: shared by spool files, the chDB store and the server store.
 KEY_COLUMNS: list[tuple[str, pa.DataType]] = [
     ("run_id", pa.string()),
@@ -146,14 +149,7 @@ KEY_COLUMNS: list[tuple[str, pa.DataType]] = [
     ("invocation", pa.int8()),
     ("layer", pa.int32()),
     ("output", pa.string()),
-    ("rank", pa.int32()),
-    ("tp", pa.int32()),
-    ("pp", pa.int32()),
-    ("vpp", pa.int32()),
-    ("dp", pa.int32()),
-    ("cp", pa.int32()),
-    ("ep", pa.int32()),
-    ("etp", pa.int32()),
+    *COORD_COLUMNS,
     ("shard_index", pa.int32()),
     ("shard_count", pa.int32()),
     ("token_start", pa.int64()),

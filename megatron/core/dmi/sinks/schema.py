@@ -14,7 +14,7 @@ import re
 
 import pyarrow as pa
 
-from megatron.core.dmi.records import KEY_COLUMNS, TENSOR_SCHEMA
+from megatron.core.dmi.records import COORD_COLUMNS, KEY_COLUMNS, TENSOR_SCHEMA
 
 SCHEMA_VERSION = 1
 DEFAULT_DATABASE = "dmi"
@@ -63,14 +63,7 @@ RUNS_SCHEMA = pa.schema([
 TOPOLOGY_SCHEMA = pa.schema([
     ("run_id", pa.string()),
     ("attempt", pa.int32()),
-    ("rank", pa.int32()),
-    ("tp", pa.int32()),
-    ("pp", pa.int32()),
-    ("vpp", pa.int32()),
-    ("dp", pa.int32()),
-    ("cp", pa.int32()),
-    ("ep", pa.int32()),
-    ("etp", pa.int32()),
+    *COORD_COLUMNS,
     ("layers", pa.list_(pa.int32())),
     ("hostname", pa.string()),
 ])
