@@ -3,12 +3,15 @@
 # pip's download cache (~/.cache/pip) makes repeated set-ups fast.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+works() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; }
 find_python() {
   if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
-  for c in python3.12 python3.13; do command -v "$c" >/dev/null && { command -v "$c"; return; }; done
-  if command -v pyenv >/dev/null; then
-    for v in "$(pyenv root)"/versions/3.1[23].*/bin/python3.1[23]; do [ -x "$v" ] && { echo "$v"; return; }; done
-  fi
+  local c
+  # pyenv's shims exist for every installed version but fail unless it is selected: try each.
+  for c in python3.12 python3.13 python3 \
+           "$(pyenv root 2>/dev/null)"/versions/3.1[2-9].*/bin/python3; do
+    if works "$c"; then command -v "$c"; return; fi
+  done
   echo "error: megatron-core 0.17.1 needs Python >= 3.12; none found (set PYTHON=/path/to/python3.12)" >&2
   exit 1
 }
