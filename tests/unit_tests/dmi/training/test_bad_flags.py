@@ -1,0 +1,39 @@
+"""Bad --dmi-* values stop pretrain_gpt.py with one line naming the flag, before any model exists."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.functional_tests.launch import REPO, tiny_moe_args
+
+CASES = {
+    "unknown hook": (["--dmi-hooks", "router,bogus"], "--dmi-hooks", "bogus"),
+    "malformed layers": (["--dmi-hooks", "router", "--dmi-layers", "4-1"], "--dmi-layers", "4-1"),
+    "non-positive interval": (["--dmi-hooks", "router", "--dmi-interval", "0"], "--dmi-interval", "'0'"),
+    "ring smaller than a record": (["--dmi-hooks", "attn", "--dmi-ring-mb", "0.001"], "--dmi-ring-mb", "cannot hold"),
+    "unreachable server": (["--dmi-hooks", "router", "--dmi-clickhouse-url", "http://127.0.0.1:1"],
+                           "--dmi-clickhouse-url", "unreachable"),
+    "context parallelism": (["--dmi-hooks", "router", "--context-parallel-size", "2"], "--dmi-hooks", "context"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_flag_fails_before_the_model_is_built(case, tmp_path):
+    extra, flag, detail = CASES[case]
+    p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny_moe_args(), "--cpu-dev-mode",
+                        "--dmi-store-dir", str(tmp_path / "store"), *extra],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    error = [line for line in out.splitlines() if f"error: argument {flag}" in line]
+    assert error and detail in error[-1], out[-2000:]
+    assert "Traceback" not in out
+    assert "building GPT model" not in out
+
+
+def test_no_gpu_without_cpu_mode_says_what_to_do(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny_moe_args()],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert p.returncode != 0 and "--cpu-dev-mode" in p.stderr
