@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import subprocess
 import sys
 
@@ -11,6 +12,12 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tiny_moe_args() -> list[str]:
@@ -27,7 +34,7 @@ def run_pretrain(args: list[str], tmp: str, nproc: int = 1, oracle: bool = True,
     if nproc == 1:
         cmd = [sys.executable, script]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=0", script]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}", script]
     proc = subprocess.run(cmd + args + ["--cpu-dev-mode"], cwd=tmp, env=env, capture_output=True, text=True,
                           timeout=timeout)
     with open(os.path.join(tmp, "train.log"), "w") as f:

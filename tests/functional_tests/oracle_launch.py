@@ -1,7 +1,13 @@
-"""Launch pretrain_gpt.py with an independent oracle: plain PyTorch forward hooks on the same
-TopKRouters that copy what the router decided synchronously, keyed by (iteration, microbatch,
-layer), written to $DMI_ORACLE_OUT/oracle-rank<R>.pt at exit. Used by tests to compare DMI's stored
-records bitwise with what the model really computed in the same run.
+"""Launch pretrain_gpt.py for tests, with two optional extras (both off unless their variable is set):
+
+* ``DMI_ORACLE_OUT``: an independent oracle: plain PyTorch forward hooks on the same TopKRouters
+  and core-attention modules that copy what the model computed synchronously, keyed by (iteration,
+  microbatch, layer), gathered to the full tensor over the tensor-parallel group with a collective
+  inside the hook when the layout shards it (sequence parallelism for router outputs, heads for
+  attention), and written to $DMI_ORACLE_OUT/oracle-rank<R>.pt at exit. Tests compare DMI's
+  reconstructed records bitwise with what the model really computed in the same run.
+* ``DMI_TEST_KILL_AFTER_ITER=N``: the process kills itself with SIGKILL right after Megatron logs
+  iteration N (a crash with no clean-up: what DMI had not flushed is lost, as in a real failure).
 
     python tests/functional_tests/oracle_launch.py <pretrain_gpt.py arguments>
 """
@@ -9,7 +15,7 @@ records bitwise with what the model really computed in the same run.
 import atexit
 import collections
 import os
-import runpy
+import signal
 import sys
 
 import torch
@@ -19,28 +25,74 @@ sys.path.insert(0, REPO)
 
 import pretrain_gpt  # noqa: E402  (its import prepares the process exactly as a real run)
 
+import megatron.training.training as mt_training  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
+from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: E402
 from megatron.training import get_args  # noqa: E402
 
 oracle: dict[tuple, dict[str, torch.Tensor]] = {}
 calls: collections.Counter = collections.Counter()
 
 
-def router_oracle(router, args, output):
-    if not router.training or torch._C._current_graph_task_id() != -1:
-        return  # evaluation and recompute replays are not the original training forward
+def _training_forward(module) -> bool:
+    # evaluation, recompute replays (inside backward) and pretrain's final evaluations are not the
+    # original training forward of a step
+    return module.training and torch._C._current_graph_task_id() == -1
+
+
+def _gather_tp(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """All-gather over the tensor-parallel group (a collective: every TP rank runs this hook)."""
+    size = ps.get_tensor_model_parallel_world_size()
+    if size == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(size)]
+    torch.distributed.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=dim)
+
+
+def _slot(layer: int) -> tuple[int, int]:
     iteration = get_args().curr_iteration + 1
-    layer = router.layer_number - 1
     microbatch = calls[(iteration, layer)]
     calls[(iteration, layer)] += 1
+    return iteration, microbatch
+
+
+def router_oracle(router, args, output):
+    if not _training_forward(router):
+        return
+    layer = router.layer_number - 1
+    iteration, microbatch = _slot(layer)
     probs, routing_map = output
     with torch.no_grad():
         logits = router.gating(args[0])
-    oracle[(iteration, microbatch, layer)] = {
-        "router.logits": logits.reshape(-1, logits.shape[-1]).detach().cpu().clone(),
+        logits = logits.reshape(-1, logits.shape[-1])
+        if router.config.sequence_parallel:  # each TP rank routed its own sequence shard
+            logits, probs, routing_map = (_gather_tp(x, 0) for x in (logits, probs, routing_map))
+    oracle.setdefault((iteration, microbatch, layer), {}).update({
+        "router.logits": logits.detach().cpu().clone(),
         "probs": probs.detach().cpu().clone(),
         "routing_map": routing_map.detach().cpu().clone(),
-    }
+    })
+
+
+def attention_oracle(layer_number):
+    def hook(module, args, output):
+        if not _training_forward(module):
+            return
+        layer = layer_number - 1
+        iteration = get_args().curr_iteration + 1
+        microbatch = attn_calls[(iteration, layer)]
+        attn_calls[(iteration, layer)] += 1
+        context = output[0] if isinstance(output, tuple) else output
+        with torch.no_grad():
+            context = _gather_tp(context.detach(), -1)  # heads are split over TP ranks
+        oracle.setdefault((iteration, microbatch, layer), {})["attn.context"] = context.cpu().clone()
+
+    return hook
+
+
+attn_calls: collections.Counter = collections.Counter()
 
 
 upstream_model_provider = pretrain_gpt.model_provider
@@ -51,7 +103,23 @@ def model_provider(*args, **kwargs):
     for m in model.modules():
         if isinstance(m, TopKRouter):
             m.register_forward_hook(router_oracle)
+        if isinstance(m, TransformerLayer) and getattr(m.self_attention, "core_attention", None) is not None:
+            m.self_attention.core_attention.register_forward_hook(attention_oracle(m.layer_number))
     return model
+
+
+def kill_after(iteration: int) -> None:
+    log = mt_training.training_log
+
+    def training_log(*args, **kwargs):
+        out = log(*args, **kwargs)
+        if get_args().curr_iteration + 1 >= iteration:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    mt_training.training_log = training_log
 
 
 def save():
@@ -62,7 +130,10 @@ def save():
 
 
 if __name__ == "__main__":
-    atexit.register(save)
-    pretrain_gpt.model_provider = model_provider
+    if os.environ.get("DMI_ORACLE_OUT"):
+        atexit.register(save)
+        pretrain_gpt.model_provider = model_provider
+    if os.environ.get("DMI_TEST_KILL_AFTER_ITER"):
+        kill_after(int(os.environ["DMI_TEST_KILL_AFTER_ITER"]))
     sys.argv[0] = os.path.join(REPO, "pretrain_gpt.py")
     pretrain_gpt.main()

@@ -1,36 +1,68 @@
 """Read a DMI store in its own process (chDB allows one store per process) and dump what tests
-compare: record counts per output and every record of a run, as torch tensors.
+compare: every stored row's key (with producer coordinates and checksum), the runs and topology
+tables, and every full tensor rebuilt by the reader (or the reader's error for it).
 
-    python tests/functional_tests/store_dump.py <store_dir> <out.pt>
+    python tests/functional_tests/store_dump.py <store_dir> <out.pt> [--load <spool_dir>] [--no-tensors]
+
+``--load`` first loads spool segments from another directory (``--dmi-persist spool`` output, as
+``python -m megatron.core.dmi load`` does).
 """
 
-import sys
+import argparse
+import zlib
 
 import torch
 
-from megatron.core.dmi.reader import open_store
+from megatron.core.dmi.reader import ReconstructionError, StoreError, open_store
+
+KEY_COLUMNS = ("phase", "iteration", "attempt", "microbatch", "invocation", "layer", "output", "rank", "tp", "pp",
+               "vpp", "dp", "cp", "ep", "etp", "shard_index", "shard_count", "token_start", "token_end",
+               "token_total", "dtype", "shape", "checksum")
 
 
-def dump(store_dir: str) -> dict:
+def tensor_crc(t: torch.Tensor) -> int:
+    t = t.detach().contiguous()
+    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+
+
+def dump(store_dir: str, load: str | None = None, tensors: bool = True) -> dict:
     store = open_store(store_dir)
     try:
+        if load:
+            store.load(load)
         runs = store.runs()
         run_id = store.resolve_run(None)
+        vis = store.visible_attempts(run_id)
         rows = store.sql(
-            f"SELECT phase, iteration, microbatch, layer, output, invocation, attempt, rank FROM {store.t('tensors')} FINAL "
-            "WHERE run_id = {run:String} ORDER BY iteration, microbatch, layer, output, rank",
-            {"run": run_id},
-        ).to_pylist()
-        tensors = {}
+            f"SELECT {', '.join(KEY_COLUMNS)} FROM {store.t('tensors')} FINAL WHERE run_id = {{run:String}} "
+            "ORDER BY phase, iteration, attempt, microbatch, layer, output, rank", {"run": run_id}).to_pylist()
         for r in rows:
-            k = (r["phase"], r["iteration"], r["microbatch"], r["layer"], r["output"], r["invocation"])
-            if k not in tensors:
-                tensors[k] = store.tensor(run_id, r["output"], r["iteration"], r["microbatch"], r["layer"],
-                                          phase=r["phase"], invocation=r["invocation"])
-        return {"run_id": run_id, "runs": runs.to_dict("records"), "rows": rows, "tensors": tensors}
+            r["visible"] = vis.get((r["phase"], r["iteration"])) == r["attempt"]
+        out = {"run_id": run_id, "runs": runs.to_dict("records"), "rows": rows,
+               "attempts": store.attempts(run_id).to_dict("records"),
+               "topology": store.topology(run_id).to_dict("records"), "tensors": {}, "errors": {}}
+        if tensors:
+            for r in rows:
+                if not r["visible"]:
+                    continue
+                k = (r["phase"], r["iteration"], r["microbatch"], r["layer"], r["output"], r["invocation"], r["dp"])
+                if k in out["tensors"] or k in out["errors"]:
+                    continue
+                try:
+                    out["tensors"][k] = store.tensor(run_id, r["output"], r["iteration"], r["microbatch"], r["layer"],
+                                                     phase=r["phase"], dp=r["dp"], invocation=r["invocation"])
+                except (ReconstructionError, StoreError) as exc:
+                    out["errors"][k] = str(exc)
+        return out
     finally:
         store.close()
 
 
 if __name__ == "__main__":
-    torch.save(dump(sys.argv[1]), sys.argv[2])
+    p = argparse.ArgumentParser()
+    p.add_argument("store")
+    p.add_argument("out")
+    p.add_argument("--load", default=None)
+    p.add_argument("--no-tensors", action="store_true")
+    a = p.parse_args()
+    torch.save(dump(a.store, a.load, not a.no_tensors), a.out)

@@ -67,11 +67,21 @@ def prepare_process(argv: list[str]) -> None:
             os.environ.setdefault(var, value)
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         cpu_mode.enable()
+        _cpu_device_arch()
     elif not torch.cuda.is_available():
         sys.exit(
             "error: no CUDA GPU is visible. Megatron trains on GPUs; to try DMI on this machine with a "
             f"tiny model, add {CPU_DEV_FLAG} (see README.md)."
         )
+
+
+def _cpu_device_arch() -> None:
+    """Megatron's argument validation asks the GPU's compute capability when TP or CP > 1 (for the
+    CUDA_DEVICE_MAX_CONNECTIONS rule, which does not apply without a GPU). In CPU mode there is no
+    GPU to ask: answer as a device without that rule."""
+    import megatron.training.arguments as mt_arguments
+
+    mt_arguments.get_device_arch_version = lambda: 10
 
 
 def compute_device() -> torch.device:
@@ -95,26 +105,55 @@ def extra_args_provider(chain: Callable | None = None) -> Callable:
     return provider
 
 
+def _wrap_train_loop() -> None:
+    """DMI starts when ``megatron.training.training.train`` is entered: the model chunks exist, a
+    checkpoint (if any) is loaded, and every rank is at the same point, so the start-up collectives
+    (run id and attempt from rank 0) cannot interleave with pipeline send/recv. It stops capturing
+    when the loop returns (the evaluations that ``pretrain`` runs afterwards are not captured)."""
+    import megatron.training.training as mt_training
+
+    if getattr(mt_training.train, "_dmi_wrapped", False):
+        return
+    train = mt_training.train
+
+    def wrapped_train(forward_step_func, model, *args, **kwargs):
+        from megatron.training import get_args
+
+        runtime = None
+        if get_args().dmi_hooks:  # with no DMI flag, nothing of DMI is imported or installed
+            from megatron.training.dmi.runtime import DMIRuntime
+
+            runtime = DMIRuntime.start(model)
+        try:
+            return train(forward_step_func, model, *args, **kwargs)
+        finally:
+            if runtime is not None:
+                runtime.end_training()
+
+    wrapped_train._dmi_wrapped = True
+    wrapped_train.__wrapped__ = train
+    mt_training.train = wrapped_train
+
+
 def dmi_forward_step(forward_step: Callable) -> Callable:
-    """Wrap the user's forward step: DMI activates on its first call (model built, process groups
-    up) and takes the step context (phase, iteration, microbatch) from every call."""
-    state = {"runtime": None, "checked": False}
+    """Wrap the user's forward step: every call tells DMI the step context (phase, iteration, model
+    chunk, microbatch) from the running schedule. Before DMI started (or without DMI) it is a
+    pass-through."""
+    _wrap_train_loop()
 
     def wrapped(data_iterator, model, *args, **kwargs):
-        if not state["checked"]:
-            state["checked"] = True
-            from megatron.training import get_args
-
-            if get_args().dmi_hooks:  # with no DMI flag, nothing of DMI is imported or installed
-                from megatron.training.dmi.runtime import DMIRuntime
-
-                state["runtime"] = DMIRuntime.start()
-        if state["runtime"] is not None:
-            state["runtime"].before_forward(model)
+        runtime = _active_runtime()
+        if runtime is not None:
+            runtime.before_forward(model)
         return forward_step(data_iterator, model, *args, **kwargs)
 
     wrapped.__wrapped__ = forward_step
     return wrapped
+
+
+def _active_runtime():
+    runtime = sys.modules.get("megatron.training.dmi.runtime")
+    return None if runtime is None else runtime.DMIRuntime._instance
 
 
 def finish() -> None:

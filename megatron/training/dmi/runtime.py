@@ -70,9 +70,13 @@ class DMIRuntime:
     _instance: "DMIRuntime | None" = None
 
     @classmethod
-    def start(cls) -> "DMIRuntime":
+    def start(cls, model=None) -> "DMIRuntime":
+        """Start DMI for the model chunks of this rank (a module or a list, one per virtual pipeline
+        stage). Every rank must call it at the same point: it runs collectives."""
         if cls._instance is None:
             cls._instance = cls(config_from_args(get_args()))
+        if model is not None:
+            cls._instance.attach(model if isinstance(model, (list, tuple)) else [model])
         return cls._instance
 
     @classmethod
@@ -98,7 +102,8 @@ class DMIRuntime:
         self.capture = Capture(config, self.transport, self.run_id, self.attempt)
         self.hooks = HookSet(self.capture)
         self.drain = Drain(self.transport, self.sink, batch_records=config.flush_records)
-        self._chunks_seen: set[int] = set()
+        self._chunks: dict[int, int] = {}  # id(unwrapped chunk) -> virtual pipeline stage
+        self._training_done = False
         self._step: tuple[str, int] | None = None
         self._microbatch: dict[int, int] = {}
         self._drops_written = 0
@@ -141,15 +146,36 @@ class DMIRuntime:
         )
 
     # -- the training loop ------------------------------------------------------------------
+    def attach(self, chunks: list) -> None:
+        """Hooks on every model chunk (index = virtual pipeline stage), then this rank's topology row."""
+        new = False
+        for vpp, chunk in enumerate(chunks):
+            inner = _unwrap(chunk)
+            if id(inner) not in self._chunks:
+                self._chunks[id(inner)] = vpp
+                self.hooks.attach(inner, vpp)
+                new = True
+        if new:
+            self._write_run_info()
+
+    def end_training(self) -> None:
+        """The training loop returned: later forwards (pretrain's final evaluations) are not captured."""
+        self._training_done = True
+        self.capture.begin_step("done", -1)
+        if self._device_context:
+            self.transport.set_gate_word(0)
+
     def before_forward(self, model: torch.nn.Module) -> None:
+        if self._training_done:
+            return
         chunk = _unwrap(model)
         chunk_id = id(chunk)
-        if chunk_id not in self._chunks_seen:
-            self._chunks_seen.add(chunk_id)
-            vpp = getattr(chunk, "vp_stage", None) or 0
-            self.hooks.attach(chunk, vpp)
-            self._write_run_info()
-        step = ("train" if model.training else "valid", self.args.curr_iteration + 1)
+        if chunk_id not in self._chunks:  # a chunk built outside the training loop's list
+            self.attach([chunk])
+        phase = "train" if model.training else "valid"
+        # Megatron sets curr_iteration to the number of completed iterations before each step; the
+        # evaluation after step N runs with it unchanged, so it belongs to iteration N too.
+        step = (phase, self.args.curr_iteration + 1)
         if step != self._step:
             self._step = step
             self._microbatch.clear()
@@ -157,6 +183,9 @@ class DMIRuntime:
             self._write_new_drops()
             if self._device_context:
                 self.transport.set_gate_word(GATE_ORIGINAL if self.capture.step.active else 0)
+        # Every schedule (1F1B, interleaved) runs one model chunk's forwards in microbatch order, so
+        # counting calls per chunk gives the microbatch index; evaluation continues the count over
+        # its eval-iters batches (batch b, microbatch m -> b * microbatches + m).
         microbatch = self._microbatch.get(chunk_id, 0)
         self._microbatch[chunk_id] = microbatch + 1
         self.capture.set_microbatch(microbatch)

@@ -37,9 +37,9 @@ def test_stored_values_equal_the_oracle_bitwise(run):
     assert len(oracle) == LAYERS * MICROBATCHES * ITERS
     for (iteration, microbatch, layer), seen in oracle.items():
         key = ("train", iteration, microbatch, layer)
-        logits = dump["tensors"][key + ("router.logits", 0)]
-        ids = dump["tensors"][key + ("router.topk_ids", 0)]
-        probs = dump["tensors"][key + ("router.topk_probs", 0)]
+        logits = dump["tensors"][key + ("router.logits", 0, 0)]
+        ids = dump["tensors"][key + ("router.topk_ids", 0, 0)]
+        probs = dump["tensors"][key + ("router.topk_probs", 0, 0)]
         assert torch.equal(logits.view(torch.int32), seen["router.logits"].view(torch.int32))
         assert int(ids.min()) >= 0 and int(ids.max()) <= EXPERTS
         # every kept slot names an expert the router really chose, with its weight
