@@ -10,6 +10,8 @@ exactly one of them:
   ``device_count`` stays 0, so no CUDA device is ever selected;
 * the CUDA RNG state helpers of megatron's tensor-parallel RNG tracker use the CPU generator;
 * CUDA streams and events become no-ops;
+* the GPU compute-capability query of Megatron's argument checks gets an answer, and gloo's
+  all_to_all_single gets its split sizes as lists (the alltoall dispatcher passes tensors);
 * the JIT warm-up (CUDA fusions) is skipped and torch.compile'd fusions run eagerly.
 
 Gradient clipping (asserts CUDA tensors) and data-loader workers cannot be shimmed cheaply, so the
@@ -93,9 +95,24 @@ def _with_mode(fn):
     return run
 
 
+def _all_to_all_with_list_splits(original):
+    """megatron-core's alltoall token dispatcher hands all_to_all_single its split sizes as tensors
+    when it has no CUDA sync point to turn them into lists; gloo's binding takes only int lists."""
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        if isinstance(output_split_sizes, torch.Tensor):
+            output_split_sizes = output_split_sizes.tolist()
+        if isinstance(input_split_sizes, torch.Tensor):
+            input_split_sizes = input_split_sizes.tolist()
+        return original(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+
+    return all_to_all_single
+
+
 def _patches() -> list[tuple[object, str, object]]:
     from megatron.core.tensor_parallel import random as tp_random
 
+    import megatron.training.arguments as mt_arguments
     import megatron.training.initialize as mt_init
 
     cuda = torch.cuda
@@ -126,6 +143,10 @@ def _patches() -> list[tuple[object, str, object]]:
         (tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
         (tp_random, "_set_cuda_rng_state", lambda new_state, *a, **k: torch.set_rng_state(new_state)),
         (mt_init, "_warmup_jit_function", lambda: None),
+        # Argument validation asks the GPU's compute capability when TP or CP > 1 (for a
+        # CUDA_DEVICE_MAX_CONNECTIONS rule that needs a GPU): answer as a device without that rule.
+        (mt_arguments, "get_device_arch_version", lambda: 10),
+        (torch.distributed, "all_to_all_single", _all_to_all_with_list_splits(torch.distributed.all_to_all_single)),
         (tp_random.CheckpointFunction, "backward", staticmethod(_with_mode(tp_random.CheckpointFunction.backward))),
         (tp_random.CheckpointWithoutOutput, "_recompute", _with_mode(tp_random.CheckpointWithoutOutput._recompute)),
         # megatron's jit_fuser is torch.compile: on a CPU it only costs compile time for tiny models.

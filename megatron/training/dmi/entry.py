@@ -67,42 +67,11 @@ def prepare_process(argv: list[str]) -> None:
             os.environ.setdefault(var, value)
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         cpu_mode.enable()
-        _cpu_device_arch()
-        _cpu_all_to_all_splits()
     elif not torch.cuda.is_available():
         sys.exit(
             "error: no CUDA GPU is visible. Megatron trains on GPUs; to try DMI on this machine with a "
             f"tiny model, add {CPU_DEV_FLAG} (see README.md)."
         )
-
-
-def _cpu_device_arch() -> None:
-    """Megatron's argument validation asks the GPU's compute capability when TP or CP > 1 (for the
-    CUDA_DEVICE_MAX_CONNECTIONS rule, which does not apply without a GPU). In CPU mode there is no
-    GPU to ask: answer as a device without that rule."""
-    import megatron.training.arguments as mt_arguments
-
-    mt_arguments.get_device_arch_version = lambda: 10
-
-
-def _cpu_all_to_all_splits() -> None:
-    """megatron-core's alltoall token dispatcher hands all_to_all_single its split sizes as tensors
-    when it has no CUDA sync point to turn them into lists; gloo's binding takes only int lists."""
-    import torch.distributed as dist
-
-    original = dist.all_to_all_single
-    if getattr(original, "_dmi_cpu", False):
-        return
-
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
-        if isinstance(output_split_sizes, torch.Tensor):
-            output_split_sizes = output_split_sizes.tolist()
-        if isinstance(input_split_sizes, torch.Tensor):
-            input_split_sizes = input_split_sizes.tolist()
-        return original(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
-
-    all_to_all_single._dmi_cpu = True
-    dist.all_to_all_single = all_to_all_single
 
 
 def compute_device() -> torch.device:
