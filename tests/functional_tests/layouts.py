@@ -30,7 +30,6 @@ class Layout:
     dispatcher: str = "allgather"
     doc: str = ""
     dense: bool = False  # no MoE: attention hooks only
-    needs_te: bool = False  # sequence parallelism needs Transformer Engine's (or Apex's) LayerNorm in 0.17.1
 
     def full_args(self) -> list[str]:
         if not self.dense:
@@ -59,16 +58,16 @@ LAYOUTS = [
     # megatron-core 0.17.1 refuses to train MoE with TP > 1 and no sequence parallelism (moe_layer.py
     # raises ValueError), so TP without SP is a dense model (attention hooks only).
     Layout("tp2", 2, ("--tensor-model-parallel-size", "2"), dense=True),
-    # megatron-core 0.17.1's local spec without TE/Apex uses torch LayerNorm, which asserts that
-    # sequence parallelism is off: SP layouts need TE (GPU tests), they are skipped on the CPU.
-    Layout("tp2_sp", 2, ("--tensor-model-parallel-size", "2", "--sequence-parallel"), needs_te=True),
+    # Without TE/Apex the local spec's torch LayerNorm refuses SP in megatron-core 0.17.1; the CPU
+    # shim marks its parameters for the TP gradient all-reduce instead (cpu_mode.py).
+    Layout("tp2_sp", 2, ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
     Layout("ep2_alltoall", 2, ("--expert-model-parallel-size", "2"), dispatcher="alltoall"),
     Layout("ep2_allgather", 2, ("--expert-model-parallel-size", "2")),
     Layout("ep2_etp2", 4, ("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
                            "--global-batch-size", "8")),  # alltoall + ETP gathers uneven tensors: NCCL only, not gloo
     Layout("tp2_sp_ep2", 4, ("--tensor-model-parallel-size", "2", "--sequence-parallel",
                              "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"),
-           dispatcher="alltoall", needs_te=True),
+           dispatcher="alltoall"),
     Layout("pp2", 2, ("--pipeline-model-parallel-size", "2")),
     Layout("pp2_vpp2", 2, ("--num-layers", "4", "--pipeline-model-parallel-size", "2",
                            "--num-layers-per-virtual-pipeline-stage", "1")),

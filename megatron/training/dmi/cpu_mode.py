@@ -12,6 +12,8 @@ exactly one of them:
 * CUDA streams and events become no-ops;
 * the GPU compute-capability query of Megatron's argument checks gets an answer, and gloo's
   all_to_all_single gets its split sizes as lists (the alltoall dispatcher passes tensors);
+* torch's LayerNorm is accepted under sequence parallelism, its parameters marked for the TP
+  gradient all-reduce as TE's norms are;
 * the JIT warm-up (CUDA fusions) is skipped and torch.compile'd fusions run eagerly.
 
 Gradient clipping (asserts CUDA tensors) and data-loader workers cannot be shimmed cheaply, so the
@@ -21,6 +23,7 @@ entry script adds ``--clip-grad 0 --num-workers 0`` unless the user chose values
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
 
@@ -109,10 +112,29 @@ def _all_to_all_with_list_splits(original):
     return all_to_all_single
 
 
+def _torch_norm_with_sequence_parallel(original_new):
+    """Without TE or apex the local spec's norm is torch's, which megatron-core refuses under sequence
+    parallelism only because its parameters lack the ``sequence_parallel`` mark that makes Megatron
+    all-reduce their gradients over the TP group. Build it as usual and add the mark."""
+
+    def __new__(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original_new(cls, plain, hidden_size, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    return staticmethod(__new__)
+
+
 def _patches() -> list[tuple[object, str, object]]:
     from megatron.core.tensor_parallel import random as tp_random
 
     import megatron.training.arguments as mt_arguments
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     import megatron.training.initialize as mt_init
 
     cuda = torch.cuda
@@ -146,6 +168,7 @@ def _patches() -> list[tuple[object, str, object]]:
         # Argument validation asks the GPU's compute capability when TP or CP > 1 (for a
         # CUDA_DEVICE_MAX_CONNECTIONS rule that needs a GPU): answer as a device without that rule.
         (mt_arguments, "get_device_arch_version", lambda: 10),
+        (WrappedTorchNorm, "__new__", _torch_norm_with_sequence_parallel(WrappedTorchNorm.__new__)),
         (torch.distributed, "all_to_all_single", _all_to_all_with_list_splits(torch.distributed.all_to_all_single)),
         (tp_random.CheckpointFunction, "backward", staticmethod(_with_mode(tp_random.CheckpointFunction.backward))),
         (tp_random.CheckpointWithoutOutput, "_recompute", _with_mode(tp_random.CheckpointWithoutOutput._recompute)),
