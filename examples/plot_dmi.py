@@ -64,39 +64,34 @@ def plot_expert_load(load, out_dir: str, max_panels: int = 4) -> list[str]:
     return [p1, p2]
 
 
-def plot_drop_rate(rate, out_dir: str) -> list[str]:
-    if rate.empty:
+def _per_layer_lines(df, column: str, scale: float, ylabel: str, title: str, path: str, ylim=None) -> list[str]:
+    """One line per layer of ``column`` over iterations."""
+    if df.empty:
         return []
     fig, ax = plt.subplots(figsize=(7, 4))
-    for layer, d in rate.groupby("layer"):
-        ax.plot(d["iteration"], 100 * d["drop_rate"], marker=".", label=f"layer {layer}")
+    for layer, d in df.groupby("layer"):
+        ax.plot(d["iteration"], scale * d[column], marker=".", label=f"layer {layer}")
+    if ylim:
+        ax.set_ylim(*ylim)
     ax.set_xlabel("iteration")
-    ax.set_ylabel("dropped token slots (%)")
-    ax.set_title("capacity-factor drops")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    p = os.path.join(out_dir, "drop_rate.png")
-    fig.savefig(p, dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    return [p]
+    return [path]
+
+
+def plot_drop_rate(rate, out_dir: str) -> list[str]:
+    return _per_layer_lines(rate, "drop_rate", 100, "dropped token slots (%)", "capacity-factor drops",
+                            os.path.join(out_dir, "drop_rate.png"))
 
 
 def plot_entropy(ent, out_dir: str) -> list[str]:
-    if ent.empty:
-        return []
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for layer, d in ent.groupby("layer"):
-        ax.plot(d["iteration"], d["entropy_normalized"], marker=".", label=f"layer {layer}")
-    ax.set_ylim(0, 1.05)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("routing entropy / log(E)")
-    ax.set_title("router entropy (1 = uniform, 0 = collapsed)")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    p = os.path.join(out_dir, "router_entropy.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return [p]
+    return _per_layer_lines(ent, "entropy_normalized", 1, "routing entropy / log(E)",
+                            "router entropy (1 = uniform, 0 = collapsed)", os.path.join(out_dir, "router_entropy.png"),
+                            ylim=(0, 1.05))
 
 
 def plot_attention(pattern, title: str, out_dir: str) -> list[str]:
