@@ -132,4 +132,24 @@ inline py::object make_dlpack(py::object owner, void* data, int64_t nbytes, bool
   return py::reinterpret_steal<py::object>(cap);
 }
 
+// Module attributes and the bindings that are the same for both builds.
+template <class Ring>
+void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) {
+  m.attr("SLOT_ALIGN") = kSlotAlign;
+  m.attr("CTX_WORDS") = kCtxWords;
+  m.attr("DESC_BYTES") = sizeof(Desc);
+  m.attr("BUILD") = build;
+  cls.def("take", [](Ring& r, size_t n, double timeout) { return take_records(r, n, timeout); })
+      .def("sync",
+           [](Ring& r, double timeout) {
+             py::gil_scoped_release nogil;
+             return r.sync(timeout);
+           })
+      .def("stats", [](Ring& r) { return shared_stats(r); })
+      .def("close", [](Ring& r) {
+        py::gil_scoped_release nogil;
+        r.close();
+      });
+}
+
 }  // namespace dmi

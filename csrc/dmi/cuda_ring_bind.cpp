@@ -158,11 +158,9 @@ using dmi::CudaRing;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Megatron-DMI ring, CUDA build (device payload ring, producer kernels, copy-engine drain)";
-  m.attr("SLOT_ALIGN") = dmi::kSlotAlign;
-  m.attr("CTX_WORDS") = dmi::kCtxWords;
-  m.attr("DESC_BYTES") = sizeof(dmi::Desc);
-  m.attr("BUILD") = "cuda";
-  py::class_<CudaRing>(m, "CudaRing")
+  py::class_<CudaRing> cls(m, "CudaRing");
+  dmi::bind_ring_common(m, cls, "cuda");
+  cls
       .def(py::init<int, uint64_t, uint64_t, uint64_t, int, double>(), py::arg("device"), py::arg("ring_bytes"),
            py::arg("desc_capacity"), py::arg("staging_bytes"), py::arg("on_full_block"), py::arg("block_timeout_s"))
       .def("publish", &CudaRing::publish, py::arg("src_ptr"), py::arg("nbytes"), py::arg("site"), py::arg("mask"),
@@ -171,20 +169,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("gate", &CudaRing::gate)
       .def("set_context", &CudaRing::set_context, py::arg("words"), py::arg("stream"))
       .def("context", &CudaRing::context)
-      .def("take", [](CudaRing& r, size_t n, double timeout) { return dmi::take_records(r, n, timeout); })
-      .def("sync",
-           [](CudaRing& r, double timeout) {
-             py::gil_scoped_release nogil;
-             return r.sync(timeout);
-           })
-      .def("stats", [](CudaRing& r) { return dmi::shared_stats(r); })
       .def("payload_dlpack",
            [](py::object self) {
              CudaRing& r = self.cast<CudaRing&>();
              return dmi::make_dlpack(self, r.payload(), static_cast<int64_t>(r.cap()), true, r.device());
-           })
-      .def("close", [](CudaRing& r) {
-        py::gil_scoped_release nogil;
-        r.close();
-      });
+           });
 }

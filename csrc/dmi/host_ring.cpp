@@ -156,11 +156,9 @@ using dmi::HostRing;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Megatron-DMI ring, host build (CPU tensors)";
-  m.attr("SLOT_ALIGN") = dmi::kSlotAlign;
-  m.attr("CTX_WORDS") = dmi::kCtxWords;
-  m.attr("DESC_BYTES") = sizeof(dmi::Desc);
-  m.attr("BUILD") = "host";
-  py::class_<HostRing>(m, "HostRing")
+  py::class_<HostRing> cls(m, "HostRing");
+  dmi::bind_ring_common(m, cls, "host");
+  cls
       .def(py::init<uint64_t, uint64_t, uint64_t, int, double>(), py::arg("ring_bytes"), py::arg("desc_capacity"),
            py::arg("staging_bytes"), py::arg("on_full_block"), py::arg("block_timeout_s"))
       .def("publish",
@@ -180,21 +178,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("gate", &HostRing::gate)
       .def("set_context", &HostRing::set_context, py::call_guard<py::gil_scoped_release>())
       .def("context", &HostRing::context, py::call_guard<py::gil_scoped_release>())
-      .def("take", [](HostRing& r, size_t n, double timeout) { return dmi::take_records(r, n, timeout); })
-      .def("sync",
-           [](HostRing& r, double timeout) {
-             py::gil_scoped_release nogil;
-             return r.sync(timeout);
-           })
-      .def("stats", [](HostRing& r) { return dmi::shared_stats(r); })
       .def("payload_dlpack",
            [](py::object self) {
              HostRing& r = self.cast<HostRing&>();
              return dmi::make_dlpack(self, r.payload(), static_cast<int64_t>(r.cap()), false, 0);
-           })
-      .def("close",
-           [](HostRing& r) {
-             py::gil_scoped_release nogil;
-             r.close();
            });
 }

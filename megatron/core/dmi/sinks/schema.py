@@ -85,19 +85,10 @@ REPORTS_SCHEMA = pa.schema([
     ("closed_at", _TS),
 ])
 
+_EXPERT_COUNT_KEYS = ("run_id", "phase", "iteration", "attempt", "microbatch", "invocation", "layer", "rank", "dp",
+                      "token_start", "token_end", "token_total")
 EXPERT_COUNTS_SCHEMA = pa.schema([
-    ("run_id", pa.string()),
-    ("phase", pa.string()),
-    ("iteration", pa.int64()),
-    ("attempt", pa.int32()),
-    ("microbatch", pa.int32()),
-    ("invocation", pa.int8()),
-    ("layer", pa.int32()),
-    ("rank", pa.int32()),
-    ("dp", pa.int32()),
-    ("token_start", pa.int64()),
-    ("token_end", pa.int64()),
-    ("token_total", pa.int64()),
+    *(c for c in KEY_COLUMNS if c[0] in _EXPERT_COUNT_KEYS),
     ("expert", pa.int32()),
     ("tokens_pre", pa.int64()),
     ("tokens_post", pa.int64()),
