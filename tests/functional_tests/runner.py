@@ -3,7 +3,8 @@ tables and the training log, and compare with the case's golden values.
 
     python -m tests.functional_tests.runner --case tests/functional_tests/test_cases/gpt_moe/tiny_router_attn
     python -m tests.functional_tests.runner --case <dir> --record-golden          # write the golden file
-    python -m tests.functional_tests.runner --case <dir> --platform h200 --workdir W   # GPU: spool only
+    python -m tests.functional_tests.runner --case <dir> --platform h200 --workdir W --launch-only
+                                                             # on the GPU machine (no chDB): train, spool only
     python -m tests.functional_tests.runner --case <dir> --platform h200 --workdir W --compare-only
                                                              # later, where chDB exists: load W's spool
 
@@ -185,9 +186,10 @@ def compare(actual: dict, golden: dict) -> list[str]:
 
 
 def run_case(case_dir: str, platform: str = "cpu", workdir: str | None = None, compare_only: bool = False,
-             oracle: bool = False) -> dict:
+             oracle: bool = False, launch_only: bool = False) -> dict:
     """Run one case (or, with ``compare_only``, read a workdir a GPU run left) and return
-    {"summary", "dump", "logs", "workdir"}. Raises CaseFailure if a run fails."""
+    {"summary", "dump", "logs", "workdir"}. Raises CaseFailure if a run fails. ``launch_only``:
+    train and stop (the store is read later with ``compare_only``); returns only the logs."""
     cfg = load_case(case_dir)
     workdir = workdir or tempfile.mkdtemp(prefix="dmi-ft-")
     os.makedirs(workdir, exist_ok=True)
@@ -214,6 +216,8 @@ def run_case(case_dir: str, platform: str = "cpu", workdir: str | None = None, c
         logs.append(log)
         if rc != 0:
             raise CaseFailure(f"pretrain_gpt.py failed (rc {rc}):\n{log[-6000:]}")
+        if launch_only:
+            return {"logs": logs, "workdir": workdir}
     else:
         for name in ("train_attempt1.log", "train_attempt2.log", "train.log"):
             path = os.path.join(workdir, name)
@@ -256,6 +260,12 @@ def record_golden(case_dir: str, platform: str = "cpu", **kwargs) -> str:
     return path
 
 
+def _visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def all_cases(root: str = CASES) -> list[str]:
     out = []
     for dirpath, _, files in os.walk(root):
@@ -271,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--record-golden", action="store_true", help="write golden_values_dev_<platform>.json")
     p.add_argument("--workdir", default=None, help="keep logs, store and spool here (one case)")
     p.add_argument("--compare-only", action="store_true", help="do not launch: read --workdir's logs and spool")
+    p.add_argument("--launch-only", action="store_true", help="train and keep --workdir, read nothing (GPU machine)")
     a = p.parse_args(argv)
+    if a.launch_only and (a.compare_only or a.record_golden):
+        p.error("--launch-only cannot be combined with --compare-only or --record-golden")
     cases = a.case or all_cases()
     if a.platform != "cpu":
         cases = [c for c in cases if (load_case(c).get("PLATFORMS") or ["cpu", "h200"]).count(a.platform)]
@@ -280,8 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         workdir = a.workdir if a.workdir and len(cases) == 1 else (
             os.path.join(a.workdir, os.path.relpath(case, CASES)) if a.workdir else None)
+        nproc = int(load_case(case)["NPROC"])
+        if a.platform != "cpu" and not a.compare_only and nproc > _visible_gpus():
+            print(f"SKIPPED {case}: needs {nproc} GPUs, {_visible_gpus()} visible")
+            continue
         try:
-            if a.record_golden:
+            if a.launch_only:
+                run_case(case, a.platform, workdir=workdir, launch_only=True)
+                print(f"LAUNCHED {case} -> {workdir} ({time.monotonic() - t0:.1f} s)")
+            elif a.record_golden:
                 path = record_golden(case, a.platform, workdir=workdir, compare_only=a.compare_only)
                 print(f"RECORDED {case} -> {path} ({time.monotonic() - t0:.1f} s)")
             else:

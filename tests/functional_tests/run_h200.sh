@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The functional cases on one lent H200 (issue 5's GPU part), in one device call:
+#   bash tests/functional_tests/run_h200.sh            (on the GPU machine; $OUT comes back)
+# Installs the carried megatron-core wheel and this package into /tmp/site (no network there),
+# trains every case whose PLATFORMS lists h200 (spool only: chDB is not on the GPU machine), runs
+# tiny_router_attn a second time with the same seed, and packs the work folders into
+# $OUT/ft_h200.tgz. Here, where chDB exists, record and check the golden values with
+#   tar xzf ft_h200.tgz -C /tmp && python -m tests.functional_tests.runner --platform h200 \
+#       --workdir /tmp/ft_h200 --compare-only --record-golden
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+cd "$(dirname "$0")/../.."
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .whl/*.whl . || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 CUBLAS_WORKSPACE_CONFIG=:4096:8
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $OUT/gpu.txt
+rm -rf /tmp/ft_h200 /tmp/ft_h200_repeat
+timeout ${FT_TIMEOUT:-480} python3 -m tests.functional_tests.runner --platform h200 --launch-only --workdir /tmp/ft_h200 \
+  2>&1 | tee $OUT/ft_launch.log
+timeout 120 python3 -m tests.functional_tests.runner --platform h200 --launch-only \
+  --case tests/functional_tests/test_cases/gpt_moe/tiny_router_attn --workdir /tmp/ft_h200_repeat 2>&1 | tee -a $OUT/ft_launch.log
+tar czf $OUT/ft_h200.tgz -C /tmp ft_h200 ft_h200_repeat
