@@ -11,7 +11,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 cd "$(dirname "$0")/../.."
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .whl/*.whl . || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 CUBLAS_WORKSPACE_CONFIG=:4096:8
+# --deterministic-mode needs NCCL_ALGO set (megatron asserts it) and a cuBLAS workspace config
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_ALGO=Ring
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 rm -rf /tmp/ft_h200 /tmp/ft_h200_repeat
 timeout ${FT_TIMEOUT:-480} python3 -m tests.functional_tests.runner --platform h200 --launch-only --workdir /tmp/ft_h200 \
@@ -19,3 +20,5 @@ timeout ${FT_TIMEOUT:-480} python3 -m tests.functional_tests.runner --platform h
 timeout 120 python3 -m tests.functional_tests.runner --platform h200 --launch-only \
   --case tests/functional_tests/test_cases/gpt_moe/tiny_router_attn --workdir /tmp/ft_h200_repeat 2>&1 | tee -a $OUT/ft_launch.log
 tar czf $OUT/ft_h200.tgz -C /tmp ft_h200 ft_h200_repeat
+# the native ring's own GPU tests (CUDA build, graph replays, drain throughput), if time is left
+[ "${WITH_NATIVE:-1}" = 1 ] && DMI_RESULTS_DIR=$OUT timeout 150 bash tests/gpu/run_native_gpu.sh 2>&1 | tail -5
