@@ -98,11 +98,13 @@ def model_args(cfg: dict, platform: str, subst: dict[str, str]) -> list[str]:
 
 
 def launch(args: list[str], nproc: int, workdir: str, log_name: str, env_vars: dict | None = None,
-           kill_after: int | None = None, oracle_dir: str | None = None, timeout: int = 600) -> tuple[int, str]:
-    """Run pretrain_gpt.py (through the test launcher when a kill or an oracle is wanted)."""
+           kill_after: int | None = None, oracle_dir: str | None = None, timeout: int = 600,
+           torchrun: bool = False) -> tuple[int, str]:
+    """Run pretrain_gpt.py (through the test launcher when a kill or an oracle is wanted). One CPU
+    process runs bare (the CPU mode sets up its own rendezvous); otherwise torch.distributed.run."""
     test_launcher = kill_after is not None or oracle_dir is not None
     script = os.path.join(HERE, "oracle_launch.py") if test_launcher else os.path.join(REPO, "pretrain_gpt.py")
-    if nproc == 1:
+    if nproc == 1 and not torchrun:
         cmd = [sys.executable, script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
@@ -204,15 +206,18 @@ def run_case(case_dir: str, platform: str = "cpu", workdir: str | None = None, c
         oracle_dir = os.path.join(workdir, "oracle") if oracle else None
         if cfg["TEST_TYPE"] == "ckpt-resume":
             kill = int(cfg.get("KILL_AFTER_ITER", 3))
-            rc, log = launch(args, nproc, workdir, "train_attempt1.log", cfg["ENV_VARS"], kill_after=kill)
+            rc, log = launch(args, nproc, workdir, "train_attempt1.log", cfg["ENV_VARS"], kill_after=kill,
+                             torchrun=platform != "cpu")
             logs.append(log)
             if rc == 0:
                 raise CaseFailure(f"attempt 1 was to be killed after iteration {kill} but exited cleanly:\n{log[-3000:]}")
             if f"iteration {kill:8d}/" not in log:
                 raise CaseFailure(f"attempt 1 died before iteration {kill}:\n{log[-5000:]}")
-            rc, log = launch(args, nproc, workdir, "train_attempt2.log", cfg["ENV_VARS"], oracle_dir=oracle_dir)
+            rc, log = launch(args, nproc, workdir, "train_attempt2.log", cfg["ENV_VARS"], oracle_dir=oracle_dir,
+                             torchrun=platform != "cpu")
         else:
-            rc, log = launch(args, nproc, workdir, "train.log", cfg["ENV_VARS"], oracle_dir=oracle_dir)
+            rc, log = launch(args, nproc, workdir, "train.log", cfg["ENV_VARS"], oracle_dir=oracle_dir,
+                             torchrun=platform != "cpu")
         logs.append(log)
         if rc != 0:
             raise CaseFailure(f"pretrain_gpt.py failed (rc {rc}):\n{log[-6000:]}")
