@@ -56,6 +56,36 @@ inline py::list take_records(RingCore& core, size_t max_records, double timeout_
   return out;
 }
 
+// take_into(): the zero-copy consumer's take. Copies up to max_records finished payloads back to
+// back into the caller's buffer (dest, dest_cap bytes; no per-record Python objects, GIL released)
+// and frees their staging. Returns (descs, too_big): descs is n rows of kDescWords uint64 words
+// (seq, site, iteration, microbatch, attempt, phase, invocation, nbytes); too_big > 0 (with no
+// rows) when the next record alone needs a buffer of that many bytes.
+constexpr int kDescWords = 8;
+
+inline py::tuple take_into(RingCore& core, size_t max_records, double timeout_s, uintptr_t dest, uint64_t dest_cap) {
+  std::vector<uint64_t> words;
+  uint64_t too_big = 0;
+  {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> take_lock(core.take_mu());
+    std::vector<Entry> got = core.pop_ready(max_records, timeout_s, dest_cap, &too_big);
+    const uint8_t* st = core.staging();
+    uint8_t* out = reinterpret_cast<uint8_t*>(dest);
+    words.reserve(got.size() * kDescWords);
+    for (const Entry& e : got) {
+      if (e.d.nbytes) std::memcpy(out, st + e.staging_off, e.d.nbytes);
+      out += e.d.nbytes;
+      const uint64_t row[kDescWords] = {e.seq, e.d.site, e.d.iteration, e.d.microbatch,
+                                        e.d.attempt, e.d.phase, e.d.invocation, e.d.nbytes};
+      words.insert(words.end(), row, row + kDescWords);
+    }
+    core.release_staging(got);
+  }
+  return py::make_tuple(py::bytes(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(uint64_t)),
+                        too_big);
+}
+
 inline py::dict shared_stats(RingCore& core) {
   Shared* s = core.shared();
   DrainStats d = core.drain_stats();
@@ -138,8 +168,13 @@ void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) 
   m.attr("SLOT_ALIGN") = kSlotAlign;
   m.attr("CTX_WORDS") = kCtxWords;
   m.attr("DESC_BYTES") = sizeof(Desc);
+  m.attr("TAKE_DESC_WORDS") = kDescWords;
   m.attr("BUILD") = build;
   cls.def("take", [](Ring& r, size_t n, double timeout) { return take_records(r, n, timeout); })
+      .def("take_into",
+           [](Ring& r, size_t n, double timeout, uintptr_t dest, uint64_t cap) {
+             return take_into(r, n, timeout, dest, cap);
+           })
       .def("sync",
            [](Ring& r, double timeout) {
              py::gil_scoped_release nogil;

@@ -95,16 +95,26 @@ class RingCore {
                              [&] { return sync_ack_ >= req || stop_.load(); });
   }
 
-  // Pop up to max_records finished entries, waiting up to timeout_s for the first one. The caller
-  // must hold take_mu() across pop_ready + reading the staging bytes + release_staging.
-  std::vector<Entry> pop_ready(size_t max_records, double timeout_s) {
+  // Pop up to max_records finished entries holding at most max_bytes of payload, waiting up to
+  // timeout_s for the first one. When the first entry alone exceeds max_bytes nothing is popped and
+  // its size is stored in *too_big. The caller must hold take_mu() across pop_ready + reading the
+  // staging bytes + release_staging.
+  std::vector<Entry> pop_ready(size_t max_records, double timeout_s, uint64_t max_bytes = UINT64_MAX,
+                               uint64_t* too_big = nullptr) {
     std::vector<Entry> out;
     std::unique_lock<std::mutex> lk(ready_mu_);
     if (ready_.empty() && timeout_s > 0) {
       ready_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s),
                          [&] { return !ready_.empty() || stop_.load(); });
     }
+    uint64_t bytes = 0;
     while (!ready_.empty() && out.size() < max_records) {
+      uint64_t n = ready_.front().d.nbytes;
+      if (bytes + n > max_bytes) {
+        if (out.empty() && too_big) *too_big = n;
+        break;
+      }
+      bytes += n;
       out.push_back(ready_.front());
       ready_.pop_front();
     }

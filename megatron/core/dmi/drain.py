@@ -10,7 +10,9 @@ import logging
 import queue
 import threading
 
-from megatron.core.dmi.records import Record
+import pyarrow as pa
+
+from megatron.core.dmi.records import table_nbytes
 from megatron.core.dmi.sinks.base import Sink
 from megatron.core.dmi.transport.base import Transport
 
@@ -18,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class Drain:
-    def __init__(self, transport: Transport, sink: Sink, batch_records: int = 256, poll_seconds: float = 0.05):
+    def __init__(self, transport: Transport, sink: Sink, batch_records: int = 1024, poll_seconds: float = 0.05):
         self.transport = transport
         self.sink = sink
         self.batch_records = batch_records
@@ -33,13 +35,13 @@ class Drain:
         self._thread = threading.Thread(target=self._run, name="dmi-drain", daemon=True)
         self._thread.start()
 
-    def _write(self, records: list[Record]) -> None:
+    def _write(self, table: pa.Table) -> None:
         try:
-            self.sink.write(records)
-            self.records_persisted += len(records)
-            self.bytes_persisted += sum(len(r.payload) for r in records)
+            self.sink.write_table(table)
+            self.records_persisted += table.num_rows
+            self.bytes_persisted += table_nbytes(table)
         except Exception as exc:  # the sink spools on its own; anything else must not kill training
-            msg = f"sink write of {len(records)} records failed: {exc!r}"
+            msg = f"sink write of {table.num_rows} records failed: {exc!r}"
             log.error("DMI: %s", msg)
             self.sink_errors.append(msg)
 
@@ -52,9 +54,9 @@ class Drain:
 
     def _run(self) -> None:
         while True:
-            records = self.transport.take(self.batch_records, self.poll_seconds)
-            if records:
-                self._write(records)
+            table = self.transport.take_table(self.batch_records, self.poll_seconds)
+            if table is not None:
+                self._write(table)
             if self.transport.pending() == 0:
                 if not self._flush_requests.empty():
                     self.sink.flush()

@@ -1,4 +1,4 @@
-"""Sink contract: the drain thread hands batches of records to exactly one sink per process.
+"""Sink contract: the drain thread hands batches of records (Arrow tables) to exactly one sink per process.
 
 ``write`` may be slow (it runs off the training thread) but must not lose a record it accepted:
 a sink that cannot reach its database spools the batch locally and says so in its report.
@@ -9,7 +9,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-from megatron.core.dmi.records import Record
+import pyarrow as pa
+
+from megatron.core.dmi.records import Record, records_to_table
 
 
 @dataclass
@@ -27,8 +29,13 @@ class SinkReport:
 
 class Sink(ABC):
     @abstractmethod
+    def write_table(self, table: pa.Table) -> None:
+        """Persist one batch, a table in ``TENSOR_SCHEMA`` (called from the drain thread)."""
+
     def write(self, records: list[Record]) -> None:
-        """Persist one batch (called from the drain thread)."""
+        """Persist a list of records (one batch)."""
+        if records:
+            self.write_table(records_to_table(records))
 
     def flush(self) -> None:
         """Make everything written so far durable."""

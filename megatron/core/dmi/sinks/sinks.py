@@ -1,9 +1,12 @@
 """The concrete sinks: spool files, embedded chDB (spool + per-node ingester), ClickHouse server
 (direct inserts, spool fallback and replay) and a null sink.
 
-Threading: the drain thread calls ``write``; the training thread may call ``write_run``,
-``write_drops``, ``flush`` and ``close`` at the same time. Buffers sit behind a short lock; file
-and database I/O is serialised by a second lock, so ``write_drops`` never waits for I/O.
+Threading: the drain thread calls ``write_table``; the training thread may call ``write_run``,
+``write_drops``, ``flush`` and ``close`` at the same time. Buffers sit behind a short lock; database
+I/O and metadata segments are serialised by a second lock, so ``write_drops`` never waits for I/O.
+Spool sinks write tensor segments from a small pool of writer threads (Parquet writing and zlib
+release the GIL), so persistence scales past one core; at most ``writers`` segments are in flight,
+after which the drain thread waits (and the ring fills, as with any slow sink).
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import os
 import threading
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from datetime import datetime, timezone
 from typing import Sequence
 
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 
-from megatron.core.dmi.records import ParallelCoords, Record, RecordKey, records_to_table
+from megatron.core.dmi.records import ParallelCoords, RecordKey, table_nbytes
 from megatron.core.dmi.sinks import schema as S
 from megatron.core.dmi.sinks.backend import BackendError, ServerBackend, redact
 from megatron.core.dmi.sinks.base import Sink
@@ -71,10 +76,10 @@ class NullSink(DMISink):
 
     name = "none"
 
-    def write(self, records: list[Record]) -> None:
-        n = sum(len(r.payload) for r in records)
+    def write_table(self, table: pa.Table) -> None:
+        n = table_nbytes(table)
         with self._buf_lock:
-            self.report.records_discarded += len(records)
+            self.report.records_discarded += table.num_rows
             self.report.bytes_discarded += n
 
     def write_drops(self, keys, reason):
@@ -86,39 +91,55 @@ class NullSink(DMISink):
         return self.report
 
 
+def default_spool_writers() -> int:
+    """Writer threads per process: half the cores, at most 4 (1, i.e. inline, on a 2-core VM)."""
+    return max(1, min(4, (os.cpu_count() or 1) // 2))
+
+
 class _BufferedSink(DMISink):
-    """Buffers records into segments of ``segment_bytes``/``segment_records`` (or older than
-    ``segment_seconds`` at the next write) and hands each to ``_emit``."""
+    """Buffers batches into segments of ``segment_bytes``/``segment_records`` (or older than
+    ``segment_seconds`` at the next write) and hands each to ``_emit_records``: inline when
+    ``writers`` is 1, else on one of ``writers`` threads."""
 
     def __init__(self, run_id: str, coords: ParallelCoords, spool_root: str, *,
-                 segment_bytes: int = 64 << 20, segment_records: int = 8192, segment_seconds: float = 5.0):
+                 segment_bytes: int = 64 << 20, segment_records: int = 8192, segment_seconds: float = 5.0,
+                 writers: int = 1):
         super().__init__(run_id, coords)
         self.spool_root = spool_root
         self.spool = SpoolWriter(spool_root, coords.rank, run_id)
         self.segment_bytes = segment_bytes
         self.segment_records = segment_records
         self.segment_seconds = segment_seconds
-        self._buf: list[Record] = []
+        self._buf: list[pa.Table] = []
+        self._buf_rows = 0
         self._buf_bytes = 0
         self._buf_since = 0.0
         self._drops: list[tuple[RecordKey, str, datetime]] = []
         self._io_lock = threading.Lock()
+        if writers < 1:
+            raise ValueError(f"writers must be >= 1, not {writers}")
+        self.writers = writers
+        self._pool = ThreadPoolExecutor(writers, thread_name_prefix="dmi-spool") if writers > 1 else None
+        self._slots = threading.BoundedSemaphore(writers)
+        self._inflight: set[Future] = set()
 
     # -- contract ---------------------------------------------------------------------------
-    def write(self, records: list[Record]) -> None:
-        if not records:
+    def write_table(self, table: pa.Table) -> None:
+        if table.num_rows == 0:
             return
+        nbytes = table_nbytes(table)
         with self._buf_lock:
             if self._closed:
-                self.report.records_dropped += len(records)
-                self.report.bytes_dropped += sum(len(r.payload) for r in records)
-                self.report.errors.append(f"{len(records)} record(s) written after close() were dropped")
+                self.report.records_dropped += table.num_rows
+                self.report.bytes_dropped += nbytes
+                self.report.errors.append(f"{table.num_rows} record(s) written after close() were dropped")
                 return
             if not self._buf:
                 self._buf_since = time.monotonic()
-            self._buf.extend(records)
-            self._buf_bytes += sum(len(r.payload) for r in records)
-            due = (self._buf_bytes >= self.segment_bytes or len(self._buf) >= self.segment_records
+            self._buf.append(table)
+            self._buf_rows += table.num_rows
+            self._buf_bytes += nbytes
+            due = (self._buf_bytes >= self.segment_bytes or self._buf_rows >= self.segment_records
                    or time.monotonic() - self._buf_since >= self.segment_seconds)
         if due:
             self._drain_buffers(records_only=True)
@@ -136,6 +157,7 @@ class _BufferedSink(DMISink):
             self.report.drops_recorded += len(keys)
 
     def flush(self) -> None:
+        """Write everything buffered, wait for the writers and make the spool durable (fsync)."""
         self._drain_buffers(records_only=False)
 
     def close(self) -> DMISinkReport:
@@ -145,6 +167,8 @@ class _BufferedSink(DMISink):
         self.flush()
         with self._buf_lock:
             self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
         self._before_report()
         with self._io_lock:
             self._emit_meta("reports", report_table(self.run_id, self.attempt, self.coords.rank, self.report))
@@ -161,24 +185,62 @@ class _BufferedSink(DMISink):
         pass
 
     def _drain_buffers(self, records_only: bool) -> None:
-        with self._io_lock:
-            with self._buf_lock:
-                batch, self._buf, self._buf_bytes = self._buf, [], 0
-                drops = []
-                if not records_only:
-                    drops, self._drops = self._drops, []
-            if batch:
-                if self.attempt == 0:
-                    self.attempt = max(r.key.attempt for r in batch)
-                table = records_to_table(batch)
-                self._emit_records(table, len(batch), sum(len(r.payload) for r in batch))
-            if drops:
-                self._emit_meta("drops", drops_table(drops))
+        with self._buf_lock:
+            batch, rows, nbytes = self._buf, self._buf_rows, self._buf_bytes
+            self._buf, self._buf_rows, self._buf_bytes = [], 0, 0
+            drops = []
+            if not records_only:
+                drops, self._drops = self._drops, []
+        if batch:
+            table = pa.concat_tables(batch)
+            if self.attempt == 0:
+                self.attempt = int(pa.compute.max(table.column("attempt")).as_py())
+            self._submit_records(table, rows, nbytes)
+        if not records_only:
+            self._wait_writers()
+            with self._io_lock:
+                if drops:
+                    self._emit_meta("drops", drops_table(drops))
+                self._sync_spool()
 
-    def _spool(self, kind: str, table: pa.Table) -> bool:
+    def _submit_records(self, table: pa.Table, n: int, nbytes: int) -> None:
+        if self._pool is None:
+            with self._io_lock:
+                self._emit_records(table, n, nbytes)
+            return
+        self._slots.acquire()  # back-pressure: at most `writers` segments in flight
+        fut = self._pool.submit(self._emit_records, table, n, nbytes)
+        with self._buf_lock:
+            self._inflight.add(fut)
+        fut.add_done_callback(lambda f: self._writer_done(f, n, nbytes))
+
+    def _writer_done(self, fut: Future, n: int, nbytes: int) -> None:
+        self._slots.release()
+        exc = fut.exception()
+        with self._buf_lock:
+            self._inflight.discard(fut)
+            if exc is not None:  # _emit_records handles OSError; anything else is a bug, but loses no count
+                self.report.records_dropped += n
+                self.report.bytes_dropped += nbytes
+                self.report.errors.append(f"spool writer failed on {n} record(s): {exc!r}")
+        if exc is not None:
+            log.error("DMI rank %d: spool writer failed on %d record(s): %r", self.coords.rank, n, exc)
+
+    def _wait_writers(self) -> None:
+        with self._buf_lock:
+            pending = list(self._inflight)
+        wait_futures(pending)
+
+    def _sync_spool(self) -> None:
+        try:
+            self.spool.sync()
+        except OSError as e:
+            self._error(f"DMI rank {self.coords.rank}: fsync of the spool in {self.spool.dir} failed: {e}")
+
+    def _spool(self, kind: str, table: pa.Table, durable: bool = True) -> bool:
         """Write a segment; on a full or failing disk warn loudly and return False."""
         try:
-            self.spool.write(kind, table)
+            self.spool.write(kind, table, durable=durable)
             return True
         except OSError as e:
             what = "disk full" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
@@ -202,8 +264,12 @@ class SpoolSink(_BufferedSink):
 
     name = "spool"
 
+    def __init__(self, run_id: str, coords: ParallelCoords, spool_root: str, **kw):
+        kw.setdefault("writers", default_spool_writers())
+        super().__init__(run_id, coords, spool_root, **kw)
+
     def _emit_records(self, table, n, nbytes):
-        ok = self._spool("tensors", table)
+        ok = self._spool("tensors", table, durable=False)
         with self._buf_lock:
             if ok:
                 self.report.records_written += n
@@ -377,7 +443,7 @@ class ServerSink(_BufferedSink):
                 return "written"
             except BackendError as e:
                 self._down(e)
-        return "spooled" if self._spool(kind, table) else "dropped"
+        return "spooled" if self._spool(kind, table, durable=kind != "tensors") else "dropped"
 
     def _emit_records(self, table, n, nbytes):
         where = self._put("tensors", table)

@@ -5,9 +5,13 @@ Layout under a store directory::
     <store_dir>/spool/rank-<global rank 05d>/<seq 08d>.parquet          tensor records
     <store_dir>/spool/rank-<global rank 05d>/<kind>-<seq 08d>.parquet   runs, topology, drops, reports
 
-A segment is written to a hidden temporary name in the same folder, fsync'd, renamed to its final
-name and the folder fsync'd, so a crash leaves either the whole segment or only a ``.tmp`` file
-that nothing reads. Each segment carries a unique id in its Parquet metadata: ingesting is
+A segment is written to a hidden temporary name in the same folder and renamed to its final name,
+so a killed process leaves either the whole segment or only a ``.tmp`` file that nothing reads.
+Metadata segments are fsync'd at once; tensor segments are written with ``durable=False`` and
+fsync'd together by ``sync()`` (the sinks call it on every flush: checkpoints and the end of the
+run), because an fsync per segment cost more than the Parquet write on the disks measured. Page
+cache survives a killed process, so only a machine crash can lose what was written after the
+last flush. Each segment carries a unique id in its Parquet metadata: ingesting is
 idempotent by that id, whatever the file is called.
 """
 
@@ -21,7 +25,6 @@ import uuid
 from dataclasses import dataclass
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from megatron.core.dmi.sinks import schema as S
@@ -69,6 +72,7 @@ class SpoolWriter:
         self._lock = threading.Lock()
         self._dir_ready = False
         self._seq = None
+        self._unsynced: list[str] = []
 
     def _prepare(self) -> None:
         if self._dir_ready:
@@ -90,45 +94,68 @@ class SpoolWriter:
         self._seq = top
         self._dir_ready = True
 
-    def write(self, kind: str, table: pa.Table) -> str:
+    def write(self, kind: str, table: pa.Table, durable: bool = True) -> str:
         """Write ``table`` as one segment of ``kind``; returns the final path. Raises OSError (e.g.
-        ENOSPC) with no partial file left behind."""
+        ENOSPC) with no partial file left behind. Several threads may write at once (each segment
+        gets its own number). ``durable=False`` defers the fsync to the next ``sync()``."""
         if kind not in S.KIND_SCHEMAS:
             raise ValueError(f"unknown spool kind {kind!r}")
         with self._lock:
             self._prepare()
             self._seq += 1
             seq = self._seq
-            name = f"{seq:08d}.parquet" if kind == "tensors" else f"{kind}-{seq:08d}.parquet"
-            final = os.path.join(self.dir, name)
-            tmp = os.path.join(self.dir, f".{name}.{os.getpid()}.tmp")
-            meta = dict(table.schema.metadata or {})
-            meta.update({META_ID: uuid.uuid4().hex.encode(), META_KIND: kind.encode(),
-                         META_VERSION: str(S.SCHEMA_VERSION).encode(), META_RANK: str(self.rank).encode(),
-                         META_RUN: self.run_id.encode()})
-            table = table.replace_schema_metadata(meta)
-            try:
-                with open(tmp, "wb") as f:
-                    pq.write_table(
-                        # Payloads are mostly incompressible floats and the store recompresses them;
-                        # compressing here only slows the drain (seen on an H200: the spool's zstd
-                        # made the drain fall behind a 256 MB/step capture).
-                        table, f, compression={c: ("none" if c == "payload" else "zstd") for c in table.schema.names},
-                        use_dictionary=[c for c in _DICT_COLUMNS if c in table.schema.names],
-                        write_statistics=[c for c in table.schema.names if c != "payload"],
-                        row_group_size=max(1, min(table.num_rows, 8192)),
-                    )
-                    f.flush()
+        name = f"{seq:08d}.parquet" if kind == "tensors" else f"{kind}-{seq:08d}.parquet"
+        final = os.path.join(self.dir, name)
+        tmp = os.path.join(self.dir, f".{name}.{os.getpid()}.tmp")
+        meta = dict(table.schema.metadata or {})
+        meta.update({META_ID: uuid.uuid4().hex.encode(), META_KIND: kind.encode(),
+                     META_VERSION: str(S.SCHEMA_VERSION).encode(), META_RANK: str(self.rank).encode(),
+                     META_RUN: self.run_id.encode()})
+        table = table.replace_schema_metadata(meta)
+        try:
+            with open(tmp, "wb") as f:
+                pq.write_table(
+                    # Payloads are mostly incompressible floats and the store recompresses them;
+                    # compressing here only slows the drain (seen on an H200: the spool's zstd
+                    # made the drain fall behind a 256 MB/step capture).
+                    table, f, compression={c: ("none" if c == "payload" else "zstd") for c in table.schema.names},
+                    use_dictionary=[c for c in _DICT_COLUMNS if c in table.schema.names],
+                    write_statistics=[c for c in table.schema.names if c != "payload"],
+                    row_group_size=max(1, min(table.num_rows, 8192)),
+                )
+                f.flush()
+                if durable:
                     os.fsync(f.fileno())
-                os.rename(tmp, final)
-            except BaseException:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-                raise
+            os.rename(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        if durable:
             _fsync_dir(self.dir)
-            return final
+        else:
+            with self._lock:
+                self._unsynced.append(final)
+        return final
+
+    def sync(self) -> None:
+        """fsync every segment written with ``durable=False`` since the last call, then the folder
+        (a segment already ingested and deleted needs nothing)."""
+        with self._lock:
+            paths, self._unsynced = self._unsynced, []
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if paths:
+            _fsync_dir(self.dir)
 
 
 @dataclass(frozen=True)
@@ -205,12 +232,6 @@ def read_segment(seg: Segment) -> pa.Table:
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
         raise CorruptSegmentError(f"{seg.path}: column types do not match the {seg.kind} schema ({e})") from None
     return table
-
-
-def table_nbytes(table: pa.Table) -> int:
-    if "nbytes" in table.schema.names:
-        return int(pc.sum(table.column("nbytes")).as_py() or 0)
-    return 0
 
 
 __all__ = [

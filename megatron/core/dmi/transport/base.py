@@ -3,7 +3,9 @@
 A transport owns a fixed-size payload ring (device memory for CUDA tensors, host memory for CPU
 tensors) and a descriptor queue. ``publish`` copies the tensor into a reserved slot on the current
 stream and enqueues the record key with it; it never blocks on the device. ``take`` returns
-finished records in publish order together with their host bytes and frees their ring space.
+finished records in publish order together with their host bytes and frees their ring space;
+``take_table`` returns the same as one Arrow table in ``TENSOR_SCHEMA`` (what the drain hands the
+sink; the native ring builds it without per-record Python objects).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Literal
 
+import pyarrow as pa
 import torch
 
-from megatron.core.dmi.records import Record, RecordKey
+from megatron.core.dmi.records import Record, RecordKey, records_to_table
 
 OnFull = Literal["block", "drop"]
 SLOT_ALIGN = 256  # bytes; keeps every slot aligned for vectorised producer copies
@@ -65,6 +68,11 @@ class Transport(ABC):
     def take(self, max_records: int, timeout: float) -> list[Record]:
         """Finished records in publish order (at most ``max_records``), waiting up to ``timeout``
         seconds for the first one. Frees their ring space."""
+
+    def take_table(self, max_records: int, timeout: float) -> pa.Table | None:
+        """``take`` as one table (None when nothing was finished in time)."""
+        records = self.take(max_records, timeout)
+        return records_to_table(records) if records else None
 
     @abstractmethod
     def pending(self) -> int:

@@ -38,7 +38,7 @@ def test_numbering_continues_and_stale_tmp_removed(tmp_path):
 
 
 def test_disk_full_counts_dropped_with_warning(tmp_path, monkeypatch):
-    sink = SpoolSink("run-a", ParallelCoords(), str(tmp_path / "spool"))
+    sink = SpoolSink("run-a", ParallelCoords(), str(tmp_path / "spool"), writers=1)  # warnings raised inline
     sink.write_run(run_info())
 
     def full(*a, **k):
@@ -136,3 +136,49 @@ def test_runs_row_never_holds_passwords():
     assert "hunter2" not in row["config_json"] and "x-secret-2" not in row["config_json"]
     assert json.loads(row["config_json"])["nested"]["tokenizer_type"] == "NullTokenizer"
     assert json.loads(row["config_json"])["clickhouse_password"] == "***"
+
+
+def test_parallel_writers_write_every_record_once(tmp_path):
+    sink = SpoolSink("run-a", ParallelCoords(rank=2), str(tmp_path / "spool"), writers=3, segment_records=4)
+    recs = moe_records()  # 24 records
+    for i in range(0, len(recs), 3):
+        sink.write(recs[i:i + 3])
+    rep = sink.close()
+    assert (rep.records_written, rep.records_dropped) == (len(recs), 0)
+    assert rep.bytes_written == sum(len(r.payload) for r in recs)
+    segs = [s for s in list_segments(str(tmp_path / "spool")) if s.kind == "tensors"]
+    assert len(segs) == 4  # batches of 3 are never split: a segment closes at 6 rows
+    back = sorted((r.key.flat()["iteration"], r.key.layer, r.key.output, r.payload)
+                  for s in segs for r in table_to_records(read_segment(s)))
+    assert back == sorted((r.key.iteration, r.key.layer, r.key.output, r.payload) for r in recs)
+
+
+def test_parallel_writer_disk_full_is_counted(tmp_path, monkeypatch):
+    sink = SpoolSink("run-a", ParallelCoords(), str(tmp_path / "spool"), writers=2, segment_records=4)
+
+    def full(kind, table, durable=True):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sink.spool, "write", full)
+    recs = moe_records()
+    with pytest.warns(RuntimeWarning):  # the report segment at close() fails too (main thread)
+        for i in range(0, len(recs), 4):
+            sink.write(recs[i:i + 4])
+        rep = sink.close()
+    assert (rep.records_written, rep.records_dropped) == (0, len(recs))
+    assert sum("disk full" in e for e in rep.errors) >= 6
+
+
+def test_tensor_segments_are_fsynced_at_flush(tmp_path, monkeypatch):
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    sink = SpoolSink("run-a", ParallelCoords(), str(tmp_path / "spool"), writers=1, segment_records=4)
+    recs = moe_records()
+    sink.write(recs[:4])
+    sink.write(recs[4:8])  # two segments, written but not yet fsync'd
+    written = [s.path for s in list_segments(str(tmp_path / "spool"))]
+    assert len(written) == 2 and not set(written) & set(synced)
+    sink.flush()  # what a checkpoint does
+    assert set(written) <= set(synced)
+    sink.close()
