@@ -11,7 +11,8 @@ for a block of steps, timed with CUDA events:
   torch_ring   router,attn through DMI's pure-PyTorch transport, spooled
 
 Then a dense model whose whole forward+backward is captured in a CUDA graph, with and without DMI's
-attention producers inside the graph (gate + context set before every replay):
+attention-context producers inside the graph (gate + context set before every replay; the dense
+model has no router, so this is router_attn's capture under graphs):
 
   graph_off, graph_dmi
 
@@ -53,6 +54,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 MOE_ARMS = ("off", "router", "router_attn", "sync_cpu", "pinned", "torch_ring")
 GRAPH_ARMS = ("graph_off", "graph_dmi")
+GRAPH_HOOKS = "attn"
 
 
 def init_distributed() -> None:
@@ -258,7 +260,7 @@ def run_graphs(a, spool_root: str) -> tuple[dict, dict]:
     graphs = {"graph_off": torch.cuda.CUDAGraph()}
     with torch.cuda.graph(graphs["graph_off"]):
         fwd_bwd()
-    dmi = DMIArm(model, "attn,attn.q,attn.k", "native", a, spool_root)
+    dmi = DMIArm(model, GRAPH_HOOKS, "native", a, spool_root)
     dmi.capture.begin_step("train", 0)  # inactive step: eager firings would be skipped; capture ignores it
     graphs["graph_dmi"] = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graphs["graph_dmi"]):
@@ -282,7 +284,7 @@ def run_graphs(a, spool_root: str) -> tuple[dict, dict]:
     torch.cuda.synchronize()
     stats = dmi.close()
     stats["replays_with_gate_open"] = replays
-    stats["expected_records"] = replays * a.layers * 3
+    stats["expected_records"] = replays * a.layers * len(parse_hooks(GRAPH_HOOKS))
     stats["rejected"] = dmi.transport.stats.rejected
     return times, {"graph_dmi": stats}
 
@@ -321,24 +323,27 @@ def main() -> None:
     times, totals = run_moe(a, os.path.join(a.spool, "moe"))
     moe_wall = time.perf_counter() - wall0
     cpu1 = thread_cpu_seconds()
-    graph_error = None
+    extra = {"jit_first_construct_s": jit_first_s, "moe_phase_wall_s": moe_wall,
+             "thread_cpu_s_during_moe": {k: cpu1.get(k, 0) - cpu0.get(k, 0) for k in cpu1}, "graph_error": None}
+    write_result(a, times, totals, extra)  # the MoE arms are kept even if the graph arms run out of time
     if not a.skip_graphs:
         try:
             gtimes, gtotals = run_graphs(a, os.path.join(a.spool, "graphs"))
             times.update(gtimes)
             totals.update(gtotals)
         except Exception as exc:  # keep the MoE results; say what failed
-            graph_error = repr(exc)
-            print(f"graph arms failed: {graph_error}", flush=True)
+            extra["graph_error"] = repr(exc)
+            print(f"graph arms failed: {extra['graph_error']}", flush=True)
+        write_result(a, times, totals, extra)
+
+
+def write_result(a, times: dict, totals: dict, extra: dict) -> dict:
+    """Print the table and write the JSON (called after each phase)."""
     result = {
-        "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "args": vars(a),
-        "jit_first_construct_s": jit_first_s,
+        "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "args": vars(a), **extra,
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30,
         "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "pinned_staging_gib_per_native_transport": a.ring_mb / 1024,
-        "moe_phase_wall_s": moe_wall,
-        "thread_cpu_s_during_moe": {k: cpu1.get(k, 0) - cpu0.get(k, 0) for k in cpu1},
-        "graph_error": graph_error,
         "arms": {},
     }
     for arm, xs in times.items():
@@ -348,18 +353,19 @@ def main() -> None:
                  "samples_ms": xs}
         entry.update(totals.get(arm, {}))
         result["arms"][arm] = entry
-    c = result["arms"].get("router_attn", {})
-    if c.get("persisted_bytes"):
-        timed_s = sum(times["router_attn"]) / 1000
-        result["router_attn_persisted_gb_per_s_of_step_time"] = c["persisted_bytes"] / 1e9 / timed_s
+    for arm in ("router_attn", "graph_dmi"):
+        c = result["arms"].get(arm, {})
+        if c.get("persisted_bytes"):
+            timed_s = sum(times[arm]) / 1000
+            result[f"{arm}_persisted_gb_per_s_of_step_time"] = c["persisted_bytes"] / 1e9 / timed_s
     print(f"\n{'arm':12} {'median ms':>10} {'overhead %':>11} {'95% CI':>17} {'records':>9} {'dropped':>8}")
     for arm, e in result["arms"].items():
         print(f"{arm:12} {e['median_ms']:10.2f} {e['overhead_pct']:11.2f} [{e['ci95'][0]:6.2f}, {e['ci95'][1]:6.2f}]"
-              f" {e.get('persisted', '-'):>9} {e.get('dropped', '-'):>8}")
+              f" {e.get('persisted', '-'):>9} {e.get('dropped', '-'):>8}", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
-
+    return result
 
 if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt):

@@ -15,10 +15,14 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_ALGO=Ring
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 rm -rf /tmp/ft_h200 /tmp/ft_h200_repeat
+# FT_CASES="dir ..." runs only those cases; FT_REPEAT=0 skips the same-seed repeat
+CASE_ARGS=(); for c in ${FT_CASES:-}; do CASE_ARGS+=(--case "$c"); done
 timeout ${FT_TIMEOUT:-480} python3 -m tests.functional_tests.runner --platform h200 --launch-only --workdir /tmp/ft_h200 \
-  2>&1 | tee $OUT/ft_launch.log
-timeout 120 python3 -m tests.functional_tests.runner --platform h200 --launch-only \
-  --case tests/functional_tests/test_cases/gpt_moe/tiny_router_attn --workdir /tmp/ft_h200_repeat 2>&1 | tee -a $OUT/ft_launch.log
-tar czf $OUT/ft_h200.tgz -C /tmp ft_h200 ft_h200_repeat
+  "${CASE_ARGS[@]}" 2>&1 | tee $OUT/ft_launch.log
+if [ "${FT_REPEAT:-1}" = 1 ]; then
+  timeout 120 python3 -m tests.functional_tests.runner --platform h200 --launch-only \
+    --case tests/functional_tests/test_cases/gpt_moe/tiny_router_attn --workdir /tmp/ft_h200_repeat 2>&1 | tee -a $OUT/ft_launch.log
+fi
+tar czf $OUT/ft_h200.tgz -C /tmp $(cd /tmp && ls -d ft_h200 ft_h200_repeat 2>/dev/null)
 # the native ring's own GPU tests (CUDA build, graph replays, drain throughput), if time is left
 [ "${WITH_NATIVE:-1}" = 1 ] && DMI_RESULTS_DIR=$OUT timeout 150 bash tests/gpu/run_native_gpu.sh 2>&1 | tail -5
