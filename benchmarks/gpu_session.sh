@@ -17,7 +17,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $OUT/gpu.txt
 source examples/tiny_moe_args.sh
 if [ "$MODE" = bench ]; then  # the benchmark alone
-  timeout ${BENCH_TIMEOUT:-480} python3 benchmarks/overhead.py --out $OUT/overhead_h200.json > $OUT/bench.log 2>&1
+  timeout ${BENCH_TIMEOUT:-480} python3 benchmarks/overhead.py --out $OUT/overhead_h200.json ${BENCH_ARGS:-} > $OUT/bench.log 2>&1
   grep -E "^round|graph arms|^[a-z_]+ +[0-9]" $OUT/bench.log; tail -3 $OUT/bench.log
   exit
 fi

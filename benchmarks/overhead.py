@@ -210,10 +210,10 @@ def run_moe(a, spool_root: str) -> tuple[dict, dict]:
     ids, pos = batch(a)
     for _ in range(3):
         train_step(model, opt, ids, pos)
-    times = {arm: [] for arm in MOE_ARMS}
+    times = {arm: [] for arm in a.arms}
     totals: dict[str, dict] = {}
     for rnd in range(a.rounds):
-        for arm in MOE_ARMS:
+        for arm in a.arms:
             dmi = plain = None
             if arm in ("router", "router_attn", "torch_ring"):
                 hooks = "router" if arm == "router" else "router,attn"
@@ -310,7 +310,12 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="tiny sizes, to check the script runs")
     p.add_argument("--skip-graphs", action="store_true")
+    p.add_argument("--arms", default=",".join(MOE_ARMS), help="MoE arms to run (off is always run)")
     a = p.parse_args()
+    a.arms = ["off"] + [x for x in a.arms.split(",") if x and x != "off"]
+    unknown = sorted(set(a.arms) - set(MOE_ARMS))
+    if unknown:
+        p.error(f"unknown --arms {unknown}; choose from {', '.join(MOE_ARMS)}")
     if a.quick:
         a.layers, a.hidden, a.ffn, a.heads, a.experts, a.moe_ffn, a.seq, a.vocab, a.rounds, a.steps = (
             2, 256, 512, 4, 8, 256, 256, 1024, 2, 2)
