@@ -8,9 +8,12 @@
 
 #include <ATen/dlpack.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <thread>
 #include <vector>
 
+#include "crc32.h"
 #include "drain.h"
 
 namespace py = pybind11;
@@ -56,31 +59,51 @@ inline py::list take_records(RingCore& core, size_t max_records, double timeout_
   return out;
 }
 
-// take_into(): the zero-copy consumer's take. Copies up to max_records finished payloads back to
-// back into the caller's buffer (dest, dest_cap bytes; no per-record Python objects, GIL released)
-// and frees their staging. Returns (descs, too_big): descs is n rows of kDescWords uint64 words
-// (seq, site, iteration, microbatch, attempt, phase, invocation, nbytes); too_big > 0 (with no
+// take_into(): the zero-copy consumer's take, one GIL-free call per batch. Copies up to
+// max_records finished payloads back to back into the caller's buffer (dest, dest_cap bytes),
+// checksums each (zlib's CRC-32; records of a large batch are checksummed on a few threads) and
+// frees their staging. Returns (rows, too_big): rows is n rows of kTakeWords uint64 words (seq,
+// site, iteration, microbatch, attempt, phase, invocation, nbytes, crc32); too_big > 0 (with no
 // rows) when the next record alone needs a buffer of that many bytes.
-constexpr int kDescWords = 8;
+constexpr int kTakeWords = 9;
+
+inline void checksum_rows(const uint8_t* base, std::vector<uint64_t>& words, size_t n) {
+  std::vector<uint64_t> offset(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) offset[i + 1] = offset[i] + words[i * kTakeWords + 7];
+  auto work = [&](size_t first, size_t step) {
+    for (size_t i = first; i < n; i += step)
+      words[i * kTakeWords + 8] = crc32(base + offset[i], words[i * kTakeWords + 7]);
+  };
+  const uint64_t kBytesPerThread = 16ull << 20;
+  size_t threads = std::min<size_t>({n, 4, static_cast<size_t>(offset[n] / kBytesPerThread) + 1});
+  std::vector<std::thread> pool;
+  for (size_t k = 1; k < threads; ++k) pool.emplace_back(work, k, threads);
+  work(0, threads);
+  for (auto& th : pool) th.join();
+}
 
 inline py::tuple take_into(RingCore& core, size_t max_records, double timeout_s, uintptr_t dest, uint64_t dest_cap) {
   std::vector<uint64_t> words;
   uint64_t too_big = 0;
   {
     py::gil_scoped_release nogil;
-    std::lock_guard<std::mutex> take_lock(core.take_mu());
-    std::vector<Entry> got = core.pop_ready(max_records, timeout_s, dest_cap, &too_big);
-    const uint8_t* st = core.staging();
-    uint8_t* out = reinterpret_cast<uint8_t*>(dest);
-    words.reserve(got.size() * kDescWords);
-    for (const Entry& e : got) {
-      if (e.d.nbytes) std::memcpy(out, st + e.staging_off, e.d.nbytes);
-      out += e.d.nbytes;
-      const uint64_t row[kDescWords] = {e.seq, e.d.site, e.d.iteration, e.d.microbatch,
-                                        e.d.attempt, e.d.phase, e.d.invocation, e.d.nbytes};
-      words.insert(words.end(), row, row + kDescWords);
+    std::vector<Entry> got;
+    {
+      std::lock_guard<std::mutex> take_lock(core.take_mu());
+      got = core.pop_ready(max_records, timeout_s, dest_cap, &too_big);
+      const uint8_t* st = core.staging();
+      uint8_t* out = reinterpret_cast<uint8_t*>(dest);
+      words.reserve(got.size() * kTakeWords);
+      for (const Entry& e : got) {
+        if (e.d.nbytes) std::memcpy(out, st + e.staging_off, e.d.nbytes);
+        out += e.d.nbytes;
+        const uint64_t row[kTakeWords] = {e.seq, e.d.site, e.d.iteration, e.d.microbatch, e.d.attempt,
+                                          e.d.phase, e.d.invocation, e.d.nbytes, 0};
+        words.insert(words.end(), row, row + kTakeWords);
+      }
+      core.release_staging(got);
     }
-    core.release_staging(got);
+    checksum_rows(reinterpret_cast<const uint8_t*>(dest), words, got.size());
   }
   return py::make_tuple(py::bytes(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(uint64_t)),
                         too_big);
@@ -168,7 +191,7 @@ void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) 
   m.attr("SLOT_ALIGN") = kSlotAlign;
   m.attr("CTX_WORDS") = kCtxWords;
   m.attr("DESC_BYTES") = sizeof(Desc);
-  m.attr("TAKE_DESC_WORDS") = kDescWords;
+  m.attr("TAKE_WORDS") = kTakeWords;
   m.attr("BUILD") = build;
   cls.def("take", [](Ring& r, size_t n, double timeout) { return take_records(r, n, timeout); })
       .def("take_into",

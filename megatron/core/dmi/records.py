@@ -15,7 +15,6 @@ from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (pa.compute)
 import torch
 
 PHASES = ("train", "valid")
@@ -174,13 +173,12 @@ def records_to_table(records: Sequence[Record]) -> pa.Table:
     return pa.Table.from_pydict(cols, schema=TENSOR_SCHEMA)
 
 
-def batch_table(key_columns: dict[str, pa.Array], offsets: np.ndarray, data: pa.Buffer) -> pa.Table:
+def batch_table(key_columns: dict[str, pa.Array], offsets: np.ndarray, data: pa.Buffer,
+                checksums: np.ndarray) -> pa.Table:
     """The table of a batch whose payloads lie back to back in ``data`` (record i is
-    ``data[offsets[i]:offsets[i + 1]]``). The payload column views ``data`` without copying it;
-    checksums are computed here (zlib releases the GIL on large buffers)."""
+    ``data[offsets[i]:offsets[i + 1]]``, its zlib CRC-32 ``checksums[i]``). The payload column
+    views ``data`` without copying it."""
     n = len(offsets) - 1
-    view = memoryview(data)
-    checksums = np.fromiter((zlib.crc32(view[offsets[i]:offsets[i + 1]]) for i in range(n)), dtype=np.uint32, count=n)
     payload = pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(offsets), data])
     columns = [key_columns[name] for name, _ in KEY_COLUMNS]
     columns += [pa.array(np.diff(offsets), type=pa.int64()), pa.array(checksums, type=pa.uint32()), payload]
@@ -188,10 +186,12 @@ def batch_table(key_columns: dict[str, pa.Array], offsets: np.ndarray, data: pa.
 
 
 def table_nbytes(table: pa.Table) -> int:
-    """Payload bytes of a tensor table (0 for tables without an ``nbytes`` column)."""
+    """Payload bytes of a tensor table (0 for tables without an ``nbytes`` column). Summed with
+    numpy, which keeps the GIL, rather than Arrow compute, which drops and re-takes it (this
+    runs on the drain thread; see NativeRingTransport.take_table)."""
     if "nbytes" not in table.schema.names or table.num_rows == 0:
         return 0
-    return int(pa.compute.sum(table.column("nbytes")).as_py() or 0)
+    return int(sum(int(c.to_numpy().sum()) for c in table.column("nbytes").chunks))
 
 
 def table_to_records(table: pa.Table) -> list[Record]:

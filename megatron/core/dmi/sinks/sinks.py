@@ -266,6 +266,7 @@ class SpoolSink(_BufferedSink):
 
     def __init__(self, run_id: str, coords: ParallelCoords, spool_root: str, **kw):
         kw.setdefault("writers", default_spool_writers())
+        kw.setdefault("segment_bytes", 256 << 20)  # few, large segments: few GIL round trips per byte
         super().__init__(run_id, coords, spool_root, **kw)
 
     def _emit_records(self, table, n, nbytes):

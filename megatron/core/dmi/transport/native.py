@@ -34,14 +34,15 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from megatron.core.dmi.records import KEY_COLUMNS, PHASES, Record, RecordKey, batch_table, dtype_name
+from megatron.core.dmi.records import KEY_COLUMNS, PHASES, ParallelCoords, Record, RecordKey, batch_table, dtype_name
 from megatron.core.dmi.transport import jit
 from megatron.core.dmi.transport.base import SLOT_ALIGN, OnFull, Transport, TransportStats
 from megatron.core.dmi.transport.blobs import BlobPool
 
 _DYNAMIC = ("iteration", "microbatch", "attempt", "phase", "invocation")
-# Columns of take_into's descriptor rows (csrc/dmi/bind_common.h).
-_TAKE_COLUMNS = ("seq", "site", "iteration", "microbatch", "attempt", "phase", "invocation", "nbytes")
+_COORD_FIELDS = frozenset(f.name for f in dataclasses.fields(ParallelCoords))
+# Columns of take_into's rows (csrc/dmi/bind_common.h).
+_TAKE_COLUMNS = ("seq", "site", "iteration", "microbatch", "attempt", "phase", "invocation", "nbytes", "crc32")
 # A batch filling less than this share of its pooled buffer is copied out, so a trickle of small
 # batches never pins many large buffers while they wait in the sink.
 _MIN_FILL = 0.25
@@ -67,7 +68,7 @@ class NativeRingTransport(Transport):
     """Native ring transport (host build for CPU tensors, CUDA build for CUDA tensors)."""
 
     name = "native"
-    TAKE_BUFFER_BYTES = 64 << 20  # one take_table batch at most (larger records get their own buffer)
+    TAKE_BUFFER_BYTES = 128 << 20  # one take_table batch at most (larger records get their own buffer)
 
     def __init__(
         self,
@@ -111,7 +112,6 @@ class NativeRingTransport(Transport):
         self.ring_tensor = torch.utils.dlpack.from_dlpack(self._ring.payload_dlpack())
         self._sites: list[RecordKey] = []
         self._site_ids: dict[RecordKey, int] = {}
-        self._site_table: pa.Table | None = None  # static key columns, one row per site
         self.blobs = BlobPool(min(self.staging_bytes, self.TAKE_BUFFER_BYTES))
         self._ctx = (0, 0, 0, 0, 0)  # host copy of the context block (iteration, mb, attempt, phase, inv)
         self._blocked_seconds = 0.0
@@ -287,36 +287,47 @@ class NativeRingTransport(Transport):
         return [r for _, r in self.take_with_seq(max_records, timeout)]
 
     def take_table(self, max_records: int, timeout: float) -> pa.Table | None:
-        """Finished records as one table whose payload column views a pooled buffer the C++ side
-        filled (one memcpy from staging, no per-record Python objects)."""
+        """Finished records as one table whose payload column views a pooled buffer that one
+        GIL-free C++ call filled and checksummed. The rest is built with calls that keep the GIL
+        (no Arrow compute): every time a background thread re-takes the GIL the training thread
+        is made to yield it, so the consumer's cost to training grows with its GIL round trips,
+        not with its bytes."""
         lease = self.blobs.lease()
         raw, too_big = self._ring.take_into(int(max_records), float(timeout), lease.address, lease.nbytes)
         if too_big:  # the next record alone is larger than a pooled buffer
             lease = self.blobs.lease(too_big)
             raw, too_big = self._ring.take_into(1, 0.0, lease.address, lease.nbytes)
-        rows = np.frombuffer(raw, dtype=np.int64).reshape(-1, len(_TAKE_COLUMNS))
+        rows = np.frombuffer(raw, dtype=np.uint64).reshape(-1, len(_TAKE_COLUMNS))
         if not len(rows):
             return None
+        col = {name: rows[:, i] for i, name in enumerate(_TAKE_COLUMNS)}
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(rows[:, _TAKE_COLUMNS.index("nbytes")], out=offsets[1:])
+        np.cumsum(col["nbytes"], out=offsets[1:])
         total = int(offsets[-1])
         data = lease.buffer(total)
         if total < _MIN_FILL * lease.nbytes:
             data = pa.py_buffer(bytes(data))  # small: copy out and give the buffer back now
         del lease
-        return batch_table(self._key_columns(rows), offsets, data)
+        return batch_table(self._key_columns(col), offsets, data, col["crc32"].astype(np.uint32))
 
-    def _key_columns(self, rows: np.ndarray) -> dict[str, pa.Array]:
-        if self._site_table is None or self._site_table.num_rows != len(self._sites):
-            flat = [k.flat() for k in self._sites]
-            self._site_table = pa.table({name: pa.array([f[name] for f in flat], type=t) for name, t in KEY_COLUMNS})
-        col = {name: rows[:, i] for i, name in enumerate(_TAKE_COLUMNS)}
-        static = self._site_table.take(pa.array(col["site"]))
+    def _key_columns(self, col: dict[str, np.ndarray]) -> dict[str, pa.Array]:
+        sites = self._sites  # appended by the training thread; a site is registered before its records exist
+        keys = [sites[i] for i in col["site"].tolist()]
         types = dict(KEY_COLUMNS)
-        out = {name: static.column(name).combine_chunks() for name, _ in KEY_COLUMNS}
+        out = {}
+        for name, typ in KEY_COLUMNS:
+            if name in _DYNAMIC:
+                continue
+            if name in _COORD_FIELDS:
+                values = [getattr(k.coords, name) for k in keys]
+            elif name == "shape":
+                values = [list(k.shape) for k in keys]
+            else:
+                values = [getattr(k, name) for k in keys]
+            out[name] = pa.array(values, type=typ)
         for name in ("iteration", "microbatch", "attempt", "invocation"):
             out[name] = pa.array(col[name].astype(types[name].to_pandas_dtype()), type=types[name])
-        out["phase"] = pa.array(PHASES, type=pa.string()).take(pa.array(col["phase"]))
+        out["phase"] = pa.array([PHASES[i] for i in col["phase"].tolist()], type=pa.string())
         return out
 
     def pending(self) -> int:

@@ -95,3 +95,31 @@ def test_table_outlives_the_ring(fill):
     del r
     gc.collect()
     assert table_to_records(table)[0].payload == t.numpy().tobytes()
+
+
+def test_checksums_equal_zlib_for_every_length_and_alignment():
+    import zlib
+
+    r = NativeRingTransport(1 << 20, "block", CPU)
+    g = torch.Generator().manual_seed(7)
+    sent = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in list(range(20)) + [255, 1001, 4099]]
+    for t in sent:
+        r.publish(key_for(t), t)
+    r.sync_drain()
+    table = r.take_table(1000, 1.0)
+    assert table.column("checksum").to_pylist() == [zlib.crc32(t.numpy().tobytes()) for t in sent]
+    r.close()
+
+
+def test_large_batches_are_checksummed_on_several_threads_correctly():
+    import zlib
+
+    r = NativeRingTransport(64 << 20, "block", CPU)
+    sent = [torch.randn(2 << 20) for _ in range(5)]  # 8 MiB each: 40 MiB in one batch, 3 threads
+    for t in sent:
+        r.publish(key_for(t), t)
+    r.sync_drain()
+    table = r.take_table(1000, 1.0)
+    assert table.num_rows == 5
+    assert table.column("checksum").to_pylist() == [zlib.crc32(t.numpy().tobytes()) for t in sent]
+    r.close()
