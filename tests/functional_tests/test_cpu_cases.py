@@ -51,6 +51,17 @@ def test_valid_phase_microbatches(tmp_path_factory):
     assert sorted({(r["iteration"], r["microbatch"]) for r in valid}) == [(2, 0), (2, 1), (4, 0), (4, 1)]
 
 
+def test_log_line_reports_lags(tmp_path_factory):
+    import re
+
+    lines = [ln for ln in result("tiny_router_attn", tmp_path_factory)["logs"][-1].splitlines() if " DMI | " in ln]
+    assert len(lines) == 4  # --log-interval 1, 4 iterations
+    pattern = (r"^ DMI \| captured: (\d+) records [0-9.]+ MiB \| dropped: 0 \| drain lag: \d+ records \|"
+               r" persisted: \d+ records \| store lag: \d+ records \| replays rejected: 0 \|$")
+    captured = [int(re.match(pattern, ln).group(1)) for ln in lines]
+    assert captured == sorted(captured) and captured[-1] > 0
+
+
 @pytest.mark.parametrize("name", ["selective_recompute", "full_recompute"])
 def test_recompute_replays_rejected_and_values_unchanged(name, tmp_path_factory):
     base = result("tiny_router_attn", tmp_path_factory)["summary"]

@@ -205,10 +205,12 @@ class DMIRuntime:
 
     def status_line(self) -> str:
         t = self.transport.stats
+        lag = self.sink.store_lag()
+        store = f"store lag: {lag} records" if lag is not None else f"store: none ({self.config.persist})"
         return (
             f" DMI | captured: {t.published} records {t.published_bytes / 2**20:.1f} MiB |"
             f" dropped: {t.dropped} | drain lag: {self.drain.lag_records} records |"
-            f" persisted: {self.drain.records_persisted} records |"
+            f" persisted: {self.drain.records_persisted} records | {store} |"
             f" replays rejected: {self.capture.stats.replays_rejected} |"
         )
 

@@ -66,6 +66,10 @@ class DMISink(Sink):
     def final_ingest(self) -> IngestResult | None:
         return None
 
+    def store_lag(self) -> int | None:
+        """Records this sink accepted that a store query cannot see yet (None: no store)."""
+        return None
+
     def _error(self, msg: str) -> None:
         with self._buf_lock:
             self.report.errors.append(msg)
@@ -121,7 +125,7 @@ class _BufferedSink(DMISink):
         self.writers = writers
         self._pool = ThreadPoolExecutor(writers, thread_name_prefix="dmi-spool") if writers > 1 else None
         self._slots = threading.BoundedSemaphore(writers)
-        self._inflight: set[Future] = set()
+        self._inflight: dict[Future, int] = {}  # segment writes in flight -> their rows
 
     # -- contract ---------------------------------------------------------------------------
     def write_table(self, table: pa.Table) -> None:
@@ -155,6 +159,11 @@ class _BufferedSink(DMISink):
         with self._buf_lock:
             self._drops.extend((k, reason, now) for k in keys)
             self.report.drops_recorded += len(keys)
+
+    def _unwritten_rows(self) -> int:
+        """Rows buffered or being written to a segment."""
+        with self._buf_lock:
+            return self._buf_rows + sum(self._inflight.values())
 
     def flush(self) -> None:
         """Write everything buffered, wait for the writers and make the spool durable (fsync)."""
@@ -211,14 +220,14 @@ class _BufferedSink(DMISink):
         self._slots.acquire()  # back-pressure: at most `writers` segments in flight
         fut = self._pool.submit(self._emit_records, table, n, nbytes)
         with self._buf_lock:
-            self._inflight.add(fut)
+            self._inflight[fut] = n
         fut.add_done_callback(lambda f: self._writer_done(f, n, nbytes))
 
     def _writer_done(self, fut: Future, n: int, nbytes: int) -> None:
         self._slots.release()
         exc = fut.exception()
         with self._buf_lock:
-            self._inflight.discard(fut)
+            self._inflight.pop(fut, None)
             if exc is not None:  # _emit_records handles OSError; anything else is a bug, but loses no count
                 self.report.records_dropped += n
                 self.report.bytes_dropped += nbytes
@@ -305,6 +314,21 @@ class EmbeddedSink(SpoolSink):
         super()._emit_records(table, n, nbytes)
         if self.ingester is not None:
             self.ingester.wake()
+
+    def store_lag(self) -> int | None:
+        """Buffered rows plus the rows of this rank's segments the ingester has not loaded yet."""
+        import pyarrow.parquet as pq
+
+        from megatron.core.dmi.sinks.spool import list_segments
+
+        waiting = 0
+        for seg in list_segments(self.spool_root, ranks={self.coords.rank}):
+            if seg.kind == "tensors":
+                try:
+                    waiting += pq.read_metadata(seg.path).num_rows
+                except (OSError, pa.ArrowInvalid):  # ingested and deleted meanwhile, or corrupt
+                    pass
+        return self._unwritten_rows() + waiting
 
     def _before_report(self) -> None:
         # Ingest everything (all ranks closed) before our own report, so its counts are final.
@@ -461,6 +485,12 @@ class ServerSink(_BufferedSink):
 
     def _emit_meta(self, kind, table):
         self._put(kind, table)
+
+    def store_lag(self) -> int | None:
+        """Buffered rows plus the rows spooled during outages and not replayed yet."""
+        with self._buf_lock:
+            spooled = max(0, self._spooled_rows - self.report.records_replayed)
+        return self._unwritten_rows() + spooled
 
     def _before_report(self) -> None:
         with self._io_lock:

@@ -182,3 +182,23 @@ def test_tensor_segments_are_fsynced_at_flush(tmp_path, monkeypatch):
     sink.flush()  # what a checkpoint does
     assert set(written) <= set(synced)
     sink.close()
+
+
+def test_store_lag_counts_what_a_store_query_cannot_see_yet(tmp_path):
+    from megatron.core.dmi.sinks import EmbeddedSink
+
+    recs = moe_records()
+    spool_only = SpoolSink("run-a", ParallelCoords(), str(tmp_path / "spool"), writers=1)
+    assert spool_only.store_lag() is None  # no store at all
+    spool_only.close()
+    # A non-ingesting rank of the embedded store: its segments wait for the node's ingester.
+    sink = EmbeddedSink(str(tmp_path / "store"), "run-a", ParallelCoords(rank=1), is_ingester=False,
+                        writers=1, segment_records=10)
+    sink.write(recs[:8])
+    assert sink.store_lag() == 8  # buffered
+    sink.write(recs[8:16])
+    assert sink.store_lag() == 16  # one segment of 16 rows written, nothing buffered
+    for seg in list_segments(str(tmp_path / "store" / "spool")):
+        os.unlink(seg.path)  # what the ingester does once a segment is loaded
+    assert sink.store_lag() == 0
+    sink.close()

@@ -94,6 +94,7 @@ def test_server_unreachable_spools_and_loads_identically(tmp_path):
     assert rep["records_spooled"] == len(recs)
     assert rep["bytes_spooled"] == sum(len(r.payload) for r in recs)
     assert rep["records_dropped"] == 0 and rep["errors"]
+    assert rep["store_lag_before_close"] == len(recs)  # all spooled, none replayed
     segs = os.listdir(tmp_path / "srv" / "spool" / "rank-00000")
     assert any(s.startswith("runs-") for s in segs) and any(s.startswith("reports-") for s in segs)
     run_isolated(W.write_embedded, str(tmp_path / "direct"), recs, infos)

@@ -136,7 +136,9 @@ def write_server(store_dir: str, url: str, records: list[Record], infos: list[Ru
         sink.write_run(info)
     for i in range(0, len(records), 4):
         sink.write(records[i:i + 4])
-    return dataclasses.asdict(sink.close())
+    sink.flush()
+    lag = sink.store_lag()
+    return dict(dataclasses.asdict(sink.close()), store_lag_before_close=lag)
 
 
 def read_records(store_dir: str, keys: list[RecordKey]) -> list[bytes]:
