@@ -59,8 +59,8 @@ inline py::list take_records(RingCore& core, size_t max_records, double timeout_
   return out;
 }
 
-// take_into(): the zero-copy consumer's take, one GIL-free call per batch. Copies up to
-// max_records finished payloads back to back into the caller's buffer (dest, dest_cap bytes),
+// take_into(): the zero-copy consumer's take, one GIL-free call per batch (lingering up to the
+// timeout for min_bytes, see pop_ready). Copies up to max_records finished payloads back to back into the caller's buffer (dest, dest_cap bytes),
 // checksums each (zlib's CRC-32; records of a large batch are checksummed on a few threads) and
 // frees their staging. Returns (rows, too_big): rows is n rows of kTakeWords uint64 words (seq,
 // site, iteration, microbatch, attempt, phase, invocation, nbytes, crc32); too_big > 0 (with no
@@ -82,7 +82,8 @@ inline void checksum_rows(const uint8_t* base, std::vector<uint64_t>& words, siz
   for (auto& th : pool) th.join();
 }
 
-inline py::tuple take_into(RingCore& core, size_t max_records, double timeout_s, uintptr_t dest, uint64_t dest_cap) {
+inline py::tuple take_into(RingCore& core, size_t max_records, double timeout_s, uintptr_t dest, uint64_t dest_cap,
+                           uint64_t min_bytes) {
   std::vector<uint64_t> words;
   uint64_t too_big = 0;
   {
@@ -90,7 +91,7 @@ inline py::tuple take_into(RingCore& core, size_t max_records, double timeout_s,
     std::vector<Entry> got;
     {
       std::lock_guard<std::mutex> take_lock(core.take_mu());
-      got = core.pop_ready(max_records, timeout_s, dest_cap, &too_big);
+      got = core.pop_ready(max_records, timeout_s, dest_cap, &too_big, min_bytes);
       const uint8_t* st = core.staging();
       uint8_t* out = reinterpret_cast<uint8_t*>(dest);
       words.reserve(got.size() * kTakeWords);
@@ -194,10 +195,12 @@ void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) 
   m.attr("TAKE_WORDS") = kTakeWords;
   m.attr("BUILD") = build;
   cls.def("take", [](Ring& r, size_t n, double timeout) { return take_records(r, n, timeout); })
-      .def("take_into",
-           [](Ring& r, size_t n, double timeout, uintptr_t dest, uint64_t cap) {
-             return take_into(r, n, timeout, dest, cap);
-           })
+      .def(
+          "take_into",
+          [](Ring& r, size_t n, double timeout, uintptr_t dest, uint64_t cap, uint64_t min_bytes) {
+            return take_into(r, n, timeout, dest, cap, min_bytes);
+          },
+          py::arg("max_records"), py::arg("timeout"), py::arg("dest"), py::arg("dest_cap"), py::arg("min_bytes") = 0)
       .def("sync",
            [](Ring& r, double timeout) {
              py::gil_scoped_release nogil;

@@ -13,6 +13,7 @@
 // it in block mode) from deadlocking the drain. See the comment on block mode in cuda_ring.cu.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -95,17 +96,23 @@ class RingCore {
                              [&] { return sync_ack_ >= req || stop_.load(); });
   }
 
-  // Pop up to max_records finished entries holding at most max_bytes of payload, waiting up to
-  // timeout_s for the first one. When the first entry alone exceeds max_bytes nothing is popped and
-  // its size is stored in *too_big. The caller must hold take_mu() across pop_ready + reading the
-  // staging bytes + release_staging.
+  // Pop up to max_records finished entries holding at most max_bytes of payload. Waits up to
+  // timeout_s until at least min_bytes of payload (or max_records entries, or max_bytes) are ready,
+  // then pops whatever is ready (possibly less after a timeout): lingering lets a trickle of small
+  // records leave in one batch instead of one Python round trip each. When the first entry alone
+  // exceeds max_bytes nothing is popped and its size is stored in *too_big. The caller must hold
+  // take_mu() across pop_ready + reading the staging bytes + release_staging.
   std::vector<Entry> pop_ready(size_t max_records, double timeout_s, uint64_t max_bytes = UINT64_MAX,
-                               uint64_t* too_big = nullptr) {
+                               uint64_t* too_big = nullptr, uint64_t min_bytes = 0) {
     std::vector<Entry> out;
     std::unique_lock<std::mutex> lk(ready_mu_);
-    if (ready_.empty() && timeout_s > 0) {
-      ready_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s),
-                         [&] { return !ready_.empty() || stop_.load(); });
+    const uint64_t enough = std::max<uint64_t>(1, std::min(min_bytes, max_bytes));
+    auto ready_enough = [&] {
+      return stop_.load() || (!ready_.empty() && (ready_bytes_ >= enough || ready_.size() >= max_records ||
+                                                  (min_bytes == 0)));
+    };
+    if (!ready_enough() && timeout_s > 0) {
+      ready_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), ready_enough);
     }
     uint64_t bytes = 0;
     while (!ready_.empty() && out.size() < max_records) {
@@ -118,6 +125,7 @@ class RingCore {
       out.push_back(ready_.front());
       ready_.pop_front();
     }
+    ready_bytes_ -= bytes;
     return out;
   }
 
@@ -254,6 +262,7 @@ class RingCore {
       {
         std::lock_guard<std::mutex> g(ready_mu_);
         for (auto& e : batch) ready_.push_back(e);
+        ready_bytes_ += batch_bytes;
       }
       ready_cv_.notify_all();
       {
@@ -280,6 +289,7 @@ class RingCore {
   std::mutex ready_mu_;
   std::condition_variable ready_cv_;
   std::deque<Entry> ready_;
+  uint64_t ready_bytes_ = 0;  // payload bytes in ready_ (guarded by ready_mu_)
 
   std::mutex take_mu_;
 };

@@ -69,8 +69,9 @@ class Transport(ABC):
         """Finished records in publish order (at most ``max_records``), waiting up to ``timeout``
         seconds for the first one. Frees their ring space."""
 
-    def take_table(self, max_records: int, timeout: float) -> pa.Table | None:
-        """``take`` as one table (None when nothing was finished in time)."""
+    def take_table(self, max_records: int, timeout: float, min_bytes: int = 0) -> pa.Table | None:
+        """``take`` as one table (None when nothing was finished in time). ``min_bytes`` lets a
+        transport linger up to ``timeout`` for a fuller batch (a hint; this default ignores it)."""
         records = self.take(max_records, timeout)
         return records_to_table(records) if records else None
 

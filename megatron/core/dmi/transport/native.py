@@ -286,14 +286,15 @@ class NativeRingTransport(Transport):
     def take(self, max_records: int, timeout: float) -> list[Record]:
         return [r for _, r in self.take_with_seq(max_records, timeout)]
 
-    def take_table(self, max_records: int, timeout: float) -> pa.Table | None:
+    def take_table(self, max_records: int, timeout: float, min_bytes: int = 0) -> pa.Table | None:
         """Finished records as one table whose payload column views a pooled buffer that one
         GIL-free C++ call filled and checksummed. The rest is built with calls that keep the GIL
         (no Arrow compute): every time a background thread re-takes the GIL the training thread
         is made to yield it, so the consumer's cost to training grows with its GIL round trips,
-        not with its bytes."""
+        not with its bytes. ``min_bytes``: linger up to ``timeout`` until that much is ready."""
         lease = self.blobs.lease()
-        raw, too_big = self._ring.take_into(int(max_records), float(timeout), lease.address, lease.nbytes)
+        raw, too_big = self._ring.take_into(int(max_records), float(timeout), lease.address, lease.nbytes,
+                                            int(min_bytes))
         if too_big:  # the next record alone is larger than a pooled buffer
             lease = self.blobs.lease(too_big)
             raw, too_big = self._ring.take_into(1, 0.0, lease.address, lease.nbytes)

@@ -123,3 +123,45 @@ def test_large_batches_are_checksummed_on_several_threads_correctly():
     assert table.num_rows == 5
     assert table.column("checksum").to_pylist() == [zlib.crc32(t.numpy().tobytes()) for t in sent]
     r.close()
+
+
+def test_linger_waits_for_min_bytes_or_the_timeout():
+    import time
+
+    r = NativeRingTransport(4 << 20, "block", CPU)
+    small = torch.arange(64, dtype=torch.float32)  # 256 B
+    r.publish(key_for(small), small)
+    r.sync_drain()
+    t0 = time.perf_counter()
+    t = r.take_table(100, 0.3, min_bytes=1 << 20)  # not enough ready: waits out the timeout
+    assert t.num_rows == 1 and time.perf_counter() - t0 >= 0.25
+    big = torch.randn(1 << 18)  # 1 MiB
+    for x in (small, big):
+        r.publish(key_for(x), x)
+    r.sync_drain()
+    t0 = time.perf_counter()
+    t = r.take_table(100, 5.0, min_bytes=1 << 20)  # enough ready: returns at once, both records
+    assert t.num_rows == 2 and time.perf_counter() - t0 < 1.0
+    r.close()
+
+
+def test_drain_lingers_but_flush_is_prompt(tmp_path):
+    import time
+
+    from megatron.core.dmi.drain import Drain
+    from megatron.core.dmi.records import ParallelCoords
+    from megatron.core.dmi.sinks import SpoolSink
+
+    r = NativeRingTransport(4 << 20, "block", CPU)
+    sink = SpoolSink("run", ParallelCoords(), str(tmp_path), writers=1)
+    drain = Drain(r, sink, poll_seconds=2.0)  # a long linger window
+    assert drain.linger_bytes == 1 << 20
+    x = torch.arange(64, dtype=torch.float32)
+    for i in range(5):
+        r.publish(key_for(x, iteration=i + 1), x)
+    t0 = time.perf_counter()
+    assert drain.flush(timeout=10)
+    assert time.perf_counter() - t0 < 2.5 and drain.records_persisted == 5
+    drain.close()
+    assert sink.close().records_written == 5
+    r.close()
