@@ -96,6 +96,8 @@ class DMIArm:
         self.hooks.attach(model)
         self.iteration = 0
         self.keep_spool = a.keep_spool
+        self.cpu_start = thread_cpu_seconds()
+        self.wall_start = time.perf_counter()
 
     def step(self) -> None:
         self.iteration += 1
@@ -109,6 +111,13 @@ class DMIArm:
         t0 = time.perf_counter()
         self.drain.flush()
         flush_s = time.perf_counter() - t0
+        # CPU of DMI's threads over this arm, sampled before they exit: the Python drain and spool
+        # writers by name; "native" (unnamed C++ threads: the ring's drain, checksum helpers, and
+        # NCCL's, idle on one GPU) as a delta.
+        cpu = thread_cpu_seconds()
+        dmi_cpu = {k: v for k, v in cpu.items() if k.startswith("dmi-")}
+        dmi_cpu["native"] = cpu.get("native", 0.0) - self.cpu_start.get("native", 0.0)
+        wall = time.perf_counter() - self.wall_start
         self.drain.close()
         self.transport.close()
         report = self.sink.close()
@@ -117,7 +126,8 @@ class DMIArm:
         s = self.transport.stats
         return {"published": s.published, "published_bytes": s.published_bytes, "dropped": s.dropped,
                 "persisted": report.records_written, "persisted_bytes": report.bytes_written,
-                "sink_dropped": report.records_dropped, "sink_errors": len(report.errors), "final_flush_s": flush_s}
+                "sink_dropped": report.records_dropped, "sink_errors": len(report.errors), "final_flush_s": flush_s,
+                "dmi_thread_cpu_s": sum(dmi_cpu.values()), "arm_wall_s": wall}
 
 
 class PlainHooks:
@@ -357,6 +367,8 @@ def write_result(a, times: dict, totals: dict, extra: dict) -> dict:
         entry = {"median_ms": statistics.median(xs), "n": len(xs), "overhead_pct": over, "ci95": [lo, hi],
                  "samples_ms": xs}
         entry.update(totals.get(arm, {}))
+        if entry.get("arm_wall_s"):
+            entry["dmi_cores_used"] = entry["dmi_thread_cpu_s"] / entry["arm_wall_s"]
         result["arms"][arm] = entry
     for arm in ("router_attn", "graph_dmi"):
         c = result["arms"].get(arm, {})
