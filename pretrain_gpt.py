@@ -148,6 +148,10 @@ def main():
         )
     finally:
         entry.finish()
+    # Tear the process groups down while the interpreter is whole: left to exit, gloo's worker
+    # threads can free tensors during finalization and abort the process (seen in CI, rarely).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def kill_after(iteration: int) -> None:
 def save():
     out = os.environ["DMI_ORACLE_OUT"]
     os.makedirs(out, exist_ok=True)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    rank = int(os.environ.get("RANK", "0"))  # the process group is gone by now (pretrain_gpt.main)
     torch.save(oracle, os.path.join(out, f"oracle-rank{rank}.pt"))
 
 
