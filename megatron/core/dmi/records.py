@@ -161,16 +161,20 @@ KEY_COLUMNS: list[tuple[str, pa.DataType]] = [
 TENSOR_SCHEMA = pa.schema(KEY_COLUMNS + [("nbytes", pa.int64()), ("checksum", pa.uint32()), ("payload", pa.large_binary())])
 
 
+def key_columns(keys: Sequence[RecordKey]) -> dict[str, pa.Array]:
+    """The ``KEY_COLUMNS`` of a batch, one Arrow array per column."""
+    flat = [k.flat() for k in keys]
+    return {name: pa.array([f[name] for f in flat], type=t) for name, t in KEY_COLUMNS}
+
+
 def records_to_table(records: Sequence[Record]) -> pa.Table:
     """Columnar batch of records, the unit every sink and spool file deals in."""
-    cols: dict[str, list] = {name: [] for name in TENSOR_SCHEMA.names}
-    for r in records:
-        for k, v in r.key.flat().items():
-            cols[k].append(v)
-        cols["nbytes"].append(len(r.payload))
-        cols["checksum"].append(r.checksum)
-        cols["payload"].append(r.payload)
-    return pa.Table.from_pydict(cols, schema=TENSOR_SCHEMA)
+    columns = key_columns([r.key for r in records])
+    columns = [columns[name] for name, _ in KEY_COLUMNS]
+    columns += [pa.array([len(r.payload) for r in records], type=pa.int64()),
+                pa.array([r.checksum for r in records], type=pa.uint32()),
+                pa.array([r.payload for r in records], type=pa.large_binary())]
+    return pa.Table.from_arrays(columns, schema=TENSOR_SCHEMA)
 
 
 def batch_table(key_columns: dict[str, pa.Array], offsets: np.ndarray, data: pa.Buffer,

@@ -34,13 +34,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from megatron.core.dmi.records import KEY_COLUMNS, PHASES, ParallelCoords, Record, RecordKey, batch_table, dtype_name
+from megatron.core.dmi.records import KEY_COLUMNS, PHASES, Record, RecordKey, batch_table, dtype_name, key_columns
 from megatron.core.dmi.transport import jit
 from megatron.core.dmi.transport.base import SLOT_ALIGN, OnFull, Transport, TransportStats
 from megatron.core.dmi.transport.blobs import BlobPool
 
 _DYNAMIC = ("iteration", "microbatch", "attempt", "phase", "invocation")
-_COORD_FIELDS = frozenset(f.name for f in dataclasses.fields(ParallelCoords))
 # Columns of take_into's rows (csrc/dmi/bind_common.h).
 _TAKE_COLUMNS = ("seq", "site", "iteration", "microbatch", "attempt", "phase", "invocation", "nbytes", "crc32")
 # A batch filling less than this share of its pooled buffer is copied out, so a trickle of small
@@ -312,20 +311,10 @@ class NativeRingTransport(Transport):
         return batch_table(self._key_columns(col), offsets, data, col["crc32"].astype(np.uint32))
 
     def _key_columns(self, col: dict[str, np.ndarray]) -> dict[str, pa.Array]:
-        sites = self._sites  # appended by the training thread; a site is registered before its records exist
-        keys = [sites[i] for i in col["site"].tolist()]
+        """Static columns from the sites (a site is registered before its records exist), the
+        dynamic ones from the descriptors."""
+        out = key_columns([self._sites[i] for i in col["site"].tolist()])
         types = dict(KEY_COLUMNS)
-        out = {}
-        for name, typ in KEY_COLUMNS:
-            if name in _DYNAMIC:
-                continue
-            if name in _COORD_FIELDS:
-                values = [getattr(k.coords, name) for k in keys]
-            elif name == "shape":
-                values = [list(k.shape) for k in keys]
-            else:
-                values = [getattr(k, name) for k in keys]
-            out[name] = pa.array(values, type=typ)
         for name in ("iteration", "microbatch", "attempt", "invocation"):
             out[name] = pa.array(col[name].astype(types[name].to_pandas_dtype()), type=types[name])
         out["phase"] = pa.array([PHASES[i] for i in col["phase"].tolist()], type=pa.string())
