@@ -317,18 +317,7 @@ class EmbeddedSink(SpoolSink):
 
     def store_lag(self) -> int | None:
         """Buffered rows plus the rows of this rank's segments the ingester has not loaded yet."""
-        import pyarrow.parquet as pq
-
-        from megatron.core.dmi.sinks.spool import list_segments
-
-        waiting = 0
-        for seg in list_segments(self.spool_root, ranks={self.coords.rank}):
-            if seg.kind == "tensors":
-                try:
-                    waiting += pq.read_metadata(seg.path).num_rows
-                except (OSError, pa.ArrowInvalid):  # ingested and deleted meanwhile, or corrupt
-                    pass
-        return self._unwritten_rows() + waiting
+        return self._unwritten_rows() + self.spool.waiting_rows()
 
     def _before_report(self) -> None:
         # Ingest everything (all ranks closed) before our own report, so its counts are final.

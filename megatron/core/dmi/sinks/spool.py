@@ -81,6 +81,7 @@ class SpoolWriter:
         self._dir_ready = False
         self._seq = None
         self._unsynced: list[str] = []
+        self._tensor_rows: dict[str, int] = {}  # tensor segments written -> rows (until ingested)
 
     def _prepare(self) -> None:
         if self._dir_ready:
@@ -144,10 +145,23 @@ class SpoolWriter:
             raise
         if durable:
             _fsync_dir(self.dir)
-        else:
-            with self._lock:
+        with self._lock:
+            if not durable:
                 self._unsynced.append(final)
+            if kind == "tensors":
+                self._tensor_rows[final] = table.num_rows
         return final
+
+    def waiting_rows(self) -> int:
+        """Rows of the tensor segments this writer wrote that are still in the spool (not yet
+        ingested and deleted). A stat per segment, no file reads: it runs on the training thread."""
+        with self._lock:
+            paths = list(self._tensor_rows)
+        gone = [p for p in paths if not os.path.exists(p)]
+        with self._lock:
+            for p in gone:
+                self._tensor_rows.pop(p, None)
+            return sum(self._tensor_rows.values())
 
     def sync(self) -> None:
         """fsync every segment written with ``durable=False`` since the last call, then the folder
