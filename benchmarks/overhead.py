@@ -127,6 +127,7 @@ class DMIArm:
         return {"published": s.published, "published_bytes": s.published_bytes, "dropped": s.dropped,
                 "persisted": report.records_written, "persisted_bytes": report.bytes_written,
                 "sink_dropped": report.records_dropped, "sink_errors": len(report.errors), "final_flush_s": flush_s,
+                "drain_batches": self.drain.batches_written,
                 "dmi_thread_cpu_s": sum(dmi_cpu.values()), "arm_wall_s": wall}
 
 
@@ -184,11 +185,16 @@ def train_step(model, opt, ids, pos) -> None:
     opt.zero_grad(set_to_none=False)
 
 
-def timed(fn) -> float:
+def timed(fn, host_ms: list | None = None) -> float:
+    """GPU time of fn in ms (CUDA events); appends the host time to enqueue it to ``host_ms``: when
+    the host takes as long as the GPU, the step is launch-bound and any CPU stall adds to it."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
     start.record()
     fn()
     end.record()
+    if host_ms is not None:
+        host_ms.append((time.perf_counter() - t0) * 1000)
     end.synchronize()
     return start.elapsed_time(end)
 
@@ -200,6 +206,21 @@ def bootstrap_ci(xs, base, n=2000, seed=0) -> tuple[float, float, float]:
     point = (np.median(xs) / np.median(base) - 1) * 100
     samples = [(np.median(rng.choice(xs, xs.size)) / np.median(rng.choice(base, base.size)) - 1) * 100 for _ in range(n)]
     return float(point), float(np.percentile(samples, 2.5)), float(np.percentile(samples, 97.5))
+
+
+def paired_ci(xs, base, block: int, n=2000, seed=0) -> tuple[float, float, float]:
+    """Overhead in percent from the rounds: each round's block median over the baseline's block
+    median in the same round (adjacent in time, so slow drift of the GPU cancels), then the median
+    over rounds with a 95% bootstrap interval over rounds."""
+    rounds = min(len(xs), len(base)) // block
+    if rounds < 2:
+        return float("nan"), float("nan"), float("nan")
+    ratios = np.array([np.median(xs[r * block:(r + 1) * block]) / np.median(base[r * block:(r + 1) * block])
+                       for r in range(rounds)])
+    rng = np.random.default_rng(seed)
+    samples = [np.median(rng.choice(ratios, rounds)) for _ in range(n)]
+    return tuple(float((v - 1) * 100) for v in (np.median(ratios), np.percentile(samples, 2.5),
+                                                np.percentile(samples, 97.5)))
 
 
 def thread_cpu_seconds() -> dict[str, float]:
@@ -221,6 +242,7 @@ def run_moe(a, spool_root: str) -> tuple[dict, dict]:
     for _ in range(3):
         train_step(model, opt, ids, pos)
     times = {arm: [] for arm in a.arms}
+    host = {arm: [] for arm in a.arms}
     totals: dict[str, dict] = {}
     for rnd in range(a.rounds):
         for arm in a.arms:
@@ -233,9 +255,11 @@ def run_moe(a, spool_root: str) -> tuple[dict, dict]:
             for i in range(a.warmup + a.steps):
                 if dmi:
                     dmi.step()
-                ms = timed(lambda: train_step(model, opt, ids, pos))
+                host_ms = []
+                ms = timed(lambda: train_step(model, opt, ids, pos), host_ms)
                 if i >= a.warmup:
                     times[arm].append(ms)
+                    host[arm].extend(host_ms)
             if plain:
                 torch.cuda.synchronize()
                 plain.detach()
@@ -246,6 +270,8 @@ def run_moe(a, spool_root: str) -> tuple[dict, dict]:
                 for k, v in stats.items():
                     acc[k] = acc.get(k, 0) + v
         print(f"round {rnd + 1}/{a.rounds}: " + "  ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items()), flush=True)
+    for arm, xs in host.items():
+        totals.setdefault(arm, {})["host_enqueue_median_ms"] = statistics.median(xs)
     return times, totals
 
 
@@ -364,8 +390,9 @@ def write_result(a, times: dict, totals: dict, extra: dict) -> dict:
     for arm, xs in times.items():
         base = times["graph_off" if arm.startswith("graph") else "off"]
         over, lo, hi = bootstrap_ci(xs, base)
+        paired, plo, phi = paired_ci(xs, base, a.steps)
         entry = {"median_ms": statistics.median(xs), "n": len(xs), "overhead_pct": over, "ci95": [lo, hi],
-                 "samples_ms": xs}
+                 "paired_overhead_pct": paired, "paired_ci95": [plo, phi], "samples_ms": xs}
         entry.update(totals.get(arm, {}))
         if entry.get("arm_wall_s"):
             entry["dmi_cores_used"] = entry["dmi_thread_cpu_s"] / entry["arm_wall_s"]
@@ -375,9 +402,11 @@ def write_result(a, times: dict, totals: dict, extra: dict) -> dict:
         if c.get("persisted_bytes"):
             timed_s = sum(times[arm]) / 1000
             result[f"{arm}_persisted_gb_per_s_of_step_time"] = c["persisted_bytes"] / 1e9 / timed_s
-    print(f"\n{'arm':12} {'median ms':>10} {'overhead %':>11} {'95% CI':>17} {'records':>9} {'dropped':>8}")
+    print(f"\n{'arm':12} {'median ms':>10} {'overhead %':>11} {'95% CI':>17} {'paired %':>9} {'paired CI':>17}"
+          f" {'records':>9} {'dropped':>8}")
     for arm, e in result["arms"].items():
         print(f"{arm:12} {e['median_ms']:10.2f} {e['overhead_pct']:11.2f} [{e['ci95'][0]:6.2f}, {e['ci95'][1]:6.2f}]"
+              f" {e['paired_overhead_pct']:9.2f} [{e['paired_ci95'][0]:6.2f}, {e['paired_ci95'][1]:6.2f}]"
               f" {e.get('persisted', '-'):>9} {e.get('dropped', '-'):>8}", flush=True)
     if a.out:
         with open(a.out, "w") as f:

@@ -34,6 +34,7 @@ class Drain:
         self.linger_bytes = min(32 << 20, transport.ring_bytes // 4) if linger_bytes is None else linger_bytes
         self.records_persisted = 0
         self.bytes_persisted = 0
+        self.batches_written = 0
         self.sink_errors: list[str] = []
         self._stop = threading.Event()
         # Flush requests are answered by the drain thread itself: only it takes records, so only it
@@ -47,6 +48,7 @@ class Drain:
             self.sink.write_table(table)
             self.records_persisted += table.num_rows
             self.bytes_persisted += table_nbytes(table)
+            self.batches_written += 1
         except Exception as exc:  # the sink spools on its own; anything else must not kill training
             msg = f"sink write of {table.num_rows} records failed: {exc!r}"
             log.error("DMI: %s", msg)
