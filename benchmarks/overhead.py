@@ -4,8 +4,9 @@ A megatron-core MoE GPT (local spec, bf16) trains with a fused AdamW; each round
 for a block of steps, timed with CUDA events:
 
   off          DMI off
-  router       --dmi-hooks router, native ring, spooled (everything persisted)
-  router_attn  --dmi-hooks router,attn, native ring, spooled
+  router       --dmi-hooks router, native ring, spooled by its C++ writer (everything persisted)
+  router_attn  --dmi-hooks router,attn, native ring, spooled by its C++ writer
+  router_attn_py  the same with the Python consumer (take_table + Parquet writer threads)
   sync_cpu     plain forward hooks doing synchronous .cpu() of the same tensors
   pinned       plain forward hooks copying to pinned buffers on a side stream (persists nothing)
   torch_ring   router,attn through DMI's pure-PyTorch transport, spooled
@@ -52,7 +53,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-MOE_ARMS = ("off", "router", "router_attn", "sync_cpu", "pinned", "torch_ring")
+MOE_ARMS = ("off", "router", "router_attn", "router_attn_py", "sync_cpu", "pinned", "torch_ring")
 GRAPH_ARMS = ("graph_off", "graph_dmi")
 GRAPH_HOOKS = "attn"
 
@@ -85,12 +86,12 @@ def build_model(a: argparse.Namespace, moe: bool) -> GPTModel:
 class DMIArm:
     """DMI as the training integration wires it, minus Megatron's loop: spool sink, drain, hooks."""
 
-    def __init__(self, model, hooks: str, transport: str, a, spool_root: str):
+    def __init__(self, model, hooks: str, transport: str, a, spool_root: str, native_spool: bool = True):
         self.config = DMIConfig(hooks=parse_hooks(hooks), ring_mb=a.ring_mb, persist="spool")
         cls = NativeRingTransport if transport == "native" else TorchRingTransport
         self.transport = cls(self.config.ring_bytes, "block", torch.device("cuda", 0))
         self.sink = SpoolSink(f"bench-{hooks}-{transport}", rank_coords(), spool_root)
-        self.drain = Drain(self.transport, self.sink)
+        self.drain = Drain(self.transport, self.sink, native_spool=native_spool)
         self.capture = Capture(self.config, self.transport, self.sink.run_id, 1)
         self.hooks = HookSet(self.capture)
         self.hooks.attach(model)
@@ -127,7 +128,7 @@ class DMIArm:
         return {"published": s.published, "published_bytes": s.published_bytes, "dropped": s.dropped,
                 "persisted": report.records_written, "persisted_bytes": report.bytes_written,
                 "sink_dropped": report.records_dropped, "sink_errors": len(report.errors), "final_flush_s": flush_s,
-                "drain_batches": self.drain.batches_written,
+                "drain_batches": self.drain.batches_written, "native_spool_rounds": int(self.drain.native),
                 "dmi_thread_cpu_s": sum(dmi_cpu.values()), "arm_wall_s": wall}
 
 
@@ -247,9 +248,10 @@ def run_moe(a, spool_root: str) -> tuple[dict, dict]:
     for rnd in range(a.rounds):
         for arm in a.arms:
             dmi = plain = None
-            if arm in ("router", "router_attn", "torch_ring"):
+            if arm in ("router", "router_attn", "router_attn_py", "torch_ring"):
                 hooks = "router" if arm == "router" else "router,attn"
-                dmi = DMIArm(model, hooks, "torch" if arm == "torch_ring" else "native", a, spool_root)
+                dmi = DMIArm(model, hooks, "torch" if arm == "torch_ring" else "native", a, spool_root,
+                             native_spool=arm != "router_attn_py")
             elif arm in ("sync_cpu", "pinned"):
                 plain = PlainHooks(model, arm)
             for i in range(a.warmup + a.steps):

@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "crc32.h"
 #include "drain.h"
+#include "spool_writer.h"
 
 namespace py = pybind11;
 
@@ -65,23 +65,6 @@ inline py::list take_records(RingCore& core, size_t max_records, double timeout_
 // frees their staging. Returns (rows, too_big): rows is n rows of kTakeWords uint64 words (seq,
 // site, iteration, microbatch, attempt, phase, invocation, nbytes, crc32); too_big > 0 (with no
 // rows) when the next record alone needs a buffer of that many bytes.
-constexpr int kTakeWords = 9;
-
-inline void checksum_rows(const uint8_t* base, std::vector<uint64_t>& words, size_t n) {
-  std::vector<uint64_t> offset(n + 1, 0);
-  for (size_t i = 0; i < n; ++i) offset[i + 1] = offset[i] + words[i * kTakeWords + 7];
-  auto work = [&](size_t first, size_t step) {
-    for (size_t i = first; i < n; i += step)
-      words[i * kTakeWords + 8] = crc32(base + offset[i], words[i * kTakeWords + 7]);
-  };
-  const uint64_t kBytesPerThread = 16ull << 20;
-  size_t threads = std::min<size_t>({n, 4, static_cast<size_t>(offset[n] / kBytesPerThread) + 1});
-  std::vector<std::thread> pool;
-  for (size_t k = 1; k < threads; ++k) pool.emplace_back(work, k, threads);
-  work(0, threads);
-  for (auto& th : pool) th.join();
-}
-
 inline py::tuple take_into(RingCore& core, size_t max_records, double timeout_s, uintptr_t dest, uint64_t dest_cap,
                            uint64_t min_bytes) {
   std::vector<uint64_t> words;
@@ -104,7 +87,18 @@ inline py::tuple take_into(RingCore& core, size_t max_records, double timeout_s,
       }
       core.release_staging(got);
     }
-    checksum_rows(reinterpret_cast<const uint8_t*>(dest), words, got.size());
+    size_t n = words.size() / kTakeWords;
+    std::vector<const uint8_t*> ptrs(n);
+    std::vector<uint64_t> lens(n);
+    const uint8_t* at = reinterpret_cast<const uint8_t*>(dest);
+    for (size_t i = 0; i < n; ++i) {
+      ptrs[i] = at;
+      lens[i] = words[i * kTakeWords + 7];
+      at += lens[i];
+    }
+    std::vector<uint32_t> crc;
+    checksum_spans(ptrs, lens, crc);
+    for (size_t i = 0; i < n; ++i) words[i * kTakeWords + 8] = crc[i];
   }
   return py::make_tuple(py::bytes(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(uint64_t)),
                         too_big);
@@ -210,6 +204,31 @@ void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) 
       .def("close", [](Ring& r) {
         py::gil_scoped_release nogil;
         r.close();
+      });
+  // The native spool writer of a ring (spool_writer.h); keeps the ring object alive.
+  py::class_<SpoolThread>(m, "SpoolThread")
+      .def(py::init([](Ring& r, std::string dir, std::string header_json, uint64_t first_seq, uint64_t segment_bytes,
+                       uint64_t linger_bytes, double poll_s) {
+             return new SpoolThread(r, SpoolConfig{std::move(dir), std::move(header_json), first_seq, segment_bytes,
+                                                   linger_bytes, poll_s});
+           }),
+           py::keep_alive<1, 2>(), py::arg("ring"), py::arg("dir"), py::arg("header_json"), py::arg("first_seq"),
+           py::arg("segment_bytes"), py::arg("linger_bytes"), py::arg("poll_s"))
+      .def("add_site", &SpoolThread::add_site)
+      .def("flush", &SpoolThread::flush, py::call_guard<py::gil_scoped_release>())
+      .def("stop", &SpoolThread::stop, py::call_guard<py::gil_scoped_release>())
+      .def("take_closed", &SpoolThread::take_closed)
+      .def("stats", [](SpoolThread& t) {
+        SpoolStats s = t.stats();
+        py::dict d;
+        d["records"] = s.records;
+        d["bytes"] = s.bytes;
+        d["dropped_records"] = s.dropped_records;
+        d["dropped_bytes"] = s.dropped_bytes;
+        d["segments"] = s.segments;
+        d["open_rows"] = s.open_rows;
+        d["errors"] = s.errors;
+        return d;
       });
 }
 

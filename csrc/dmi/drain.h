@@ -103,13 +103,15 @@ class RingCore {
   // exceeds max_bytes nothing is popped and its size is stored in *too_big. The caller must hold
   // take_mu() across pop_ready + reading the staging bytes + release_staging.
   std::vector<Entry> pop_ready(size_t max_records, double timeout_s, uint64_t max_bytes = UINT64_MAX,
-                               uint64_t* too_big = nullptr, uint64_t min_bytes = 0) {
+                               uint64_t* too_big = nullptr, uint64_t min_bytes = 0,
+                               const uint64_t* since_epoch = nullptr) {
     std::vector<Entry> out;
     std::unique_lock<std::mutex> lk(ready_mu_);
     const uint64_t enough = std::max<uint64_t>(1, std::min(min_bytes, max_bytes));
+    const uint64_t epoch = since_epoch ? *since_epoch : wake_epoch_;
     auto ready_enough = [&] {
-      return stop_.load() || (!ready_.empty() && (ready_bytes_ >= enough || ready_.size() >= max_records ||
-                                                  (min_bytes == 0)));
+      return stop_.load() || wake_epoch_ != epoch ||
+             (!ready_.empty() && (ready_bytes_ >= enough || ready_.size() >= max_records || (min_bytes == 0)));
     };
     if (!ready_enough() && timeout_s > 0) {
       ready_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), ready_enough);
@@ -127,6 +129,22 @@ class RingCore {
     }
     ready_bytes_ -= bytes;
     return out;
+  }
+
+  // End every wait in pop_ready now (it returns what is ready, possibly nothing): a flush must not
+  // wait out a linger. A taker that reads wake_epoch() before deciding how long to wait and passes
+  // it to pop_ready misses no wake-up in between.
+  uint64_t wake_epoch() {
+    std::lock_guard<std::mutex> g(ready_mu_);
+    return wake_epoch_;
+  }
+
+  void wake_takers() {
+    {
+      std::lock_guard<std::mutex> g(ready_mu_);
+      ++wake_epoch_;
+    }
+    ready_cv_.notify_all();
   }
 
   void release_staging(const std::vector<Entry>& taken) {
@@ -290,6 +308,7 @@ class RingCore {
   std::condition_variable ready_cv_;
   std::deque<Entry> ready_;
   uint64_t ready_bytes_ = 0;  // payload bytes in ready_ (guarded by ready_mu_)
+  uint64_t wake_epoch_ = 0;   // bumped by wake_takers (guarded by ready_mu_)
 
   std::mutex take_mu_;
 };

@@ -2,6 +2,11 @@
 
 It is the only consumer of the transport and the only caller of ``Sink.write``, so the training
 thread never waits on persistence (except under ``--dmi-on-full block`` when the ring is full).
+
+When the sink ends in spool files and the transport is the native ring, the ring's own C++
+spool writer consumes it instead (no Python, no GIL per batch: every GIL round trip of a
+background thread delays the training thread's next kernel launches); this thread then only
+answers flushes and relays the writer's progress to the sink.
 """
 
 from __future__ import annotations
@@ -25,17 +30,24 @@ class Drain:
     and each one makes the training thread yield the GIL (see NativeRingTransport.take_table).
     Default: 32 MiB or a quarter of the ring, whichever is smaller."""
 
+    PROGRESS_SECONDS = 0.5  # how often the native writer's progress is relayed to the sink
+    FLUSH_TIMEOUT = 600.0
+
     def __init__(self, transport: Transport, sink: Sink, batch_records: int = 1024, poll_seconds: float = 0.05,
-                 linger_bytes: int | None = None):
+                 linger_bytes: int | None = None, native_spool: bool = True):
         self.transport = transport
         self.sink = sink
         self.batch_records = batch_records
         self.poll_seconds = poll_seconds
         self.linger_bytes = min(32 << 20, transport.ring_bytes // 4) if linger_bytes is None else linger_bytes
-        self.records_persisted = 0
+        self.records_persisted = 0  # handed to the sink (native: written into spool segments)
         self.bytes_persisted = 0
         self.batches_written = 0
         self.sink_errors: list[str] = []
+        target = sink.native_spool_target() if native_spool and hasattr(transport, "start_spool") else None
+        self.native = target is not None
+        if self.native:
+            transport.start_spool(**target, linger_bytes=self.linger_bytes, poll_seconds=poll_seconds)
         self._stop = threading.Event()
         # Flush requests are answered by the drain thread itself: only it takes records, so only it
         # knows when everything taken has also been written.
@@ -62,6 +74,8 @@ class Drain:
                 return
 
     def _run(self) -> None:
+        if self.native:
+            return self._run_native()
         while True:
             urgent = self._stop.is_set() or not self._flush_requests.empty()
             table = self.transport.take_table(self.batch_records, self.poll_seconds, 0 if urgent else self.linger_bytes)
@@ -73,6 +87,39 @@ class Drain:
                     self._answer_flushes()
                 if self._stop.is_set():
                     return
+
+    def _run_native(self) -> None:
+        while True:
+            try:
+                request = self._flush_requests.get(timeout=self.PROGRESS_SECONDS)
+            except queue.Empty:
+                request = None
+            if not self.transport.spooling:  # the transport was closed under a running drain
+                log.error("DMI: transport closed before its drain; the drain stops")
+                self._answer_flushes()
+                return
+            if self._stop.is_set():
+                stats, closed = self.transport.stop_spool()
+                self._relay(stats, closed)
+                self.sink.flush()
+                if request is not None:
+                    request.set()
+                return
+            if request is not None:
+                if not self.transport.spool_flush(self.FLUSH_TIMEOUT):
+                    self.sink_errors.append(f"native spool flush did not finish within {self.FLUSH_TIMEOUT:.0f} s")
+                self._relay(*self.transport.spool_progress())
+                self.sink.flush()
+                request.set()
+                self._answer_flushes()
+            else:
+                self._relay(*self.transport.spool_progress())
+
+    def _relay(self, stats: dict, closed: list) -> None:
+        """Counters (as of the last relay, at most PROGRESS_SECONDS old) and closed segments to the
+        sink, which reports the writer's errors at close."""
+        self.records_persisted, self.bytes_persisted = stats["records"], stats["bytes"]
+        self.sink.native_progress(stats, closed)
 
     @property
     def lag_records(self) -> int:
@@ -89,5 +136,7 @@ class Drain:
     def close(self) -> None:
         self.transport.settle()
         self._stop.set()
+        if self.native:
+            self._flush_requests.put(threading.Event())  # wake the thread now
         self._thread.join()
         self._answer_flushes()

@@ -167,6 +167,33 @@ def key_columns(keys: Sequence[RecordKey]) -> dict[str, pa.Array]:
     return {name: pa.array([f[name] for f in flat], type=t) for name, t in KEY_COLUMNS}
 
 
+# One record's descriptor row as the native ring hands it out (take_into, raw spool segments):
+# uint64 words in this order (csrc/dmi/spool_writer.h, kTakeWords).
+# Site id -> its static key (a list indexed by id, or a dict).
+Sites = Sequence[RecordKey] | dict[int, RecordKey]
+DESCRIPTOR_COLUMNS = ("seq", "site", "iteration", "microbatch", "attempt", "phase", "invocation", "nbytes", "crc32")
+
+
+def descriptor_key_columns(sites: Sites, rows: np.ndarray) -> dict[str, pa.Array]:
+    """The ``KEY_COLUMNS`` of descriptor ``rows`` (n x DESCRIPTOR_COLUMNS uint64): static columns
+    from ``sites`` (indexed by each row's site id), dynamic ones from the rows themselves."""
+    col = {name: rows[:, i] for i, name in enumerate(DESCRIPTOR_COLUMNS)}
+    out = key_columns([sites[i] for i in col["site"].tolist()])
+    types = dict(KEY_COLUMNS)
+    for name in ("iteration", "microbatch", "attempt", "invocation"):
+        out[name] = pa.array(col[name].astype(types[name].to_pandas_dtype()), type=types[name])
+    out["phase"] = pa.array([PHASES[i] for i in col["phase"].tolist()], type=pa.string())
+    return out
+
+
+def descriptor_table(sites: Sites, rows: np.ndarray, data: pa.Buffer) -> pa.Table:
+    """The table of descriptor ``rows`` whose payloads lie back to back in ``data``."""
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(rows[:, DESCRIPTOR_COLUMNS.index("nbytes")], out=offsets[1:])
+    crc = rows[:, DESCRIPTOR_COLUMNS.index("crc32")].astype(np.uint32)
+    return batch_table(descriptor_key_columns(sites, rows), offsets, data, crc)
+
+
 def records_to_table(records: Sequence[Record]) -> pa.Table:
     """Columnar batch of records, the unit every sink and spool file deals in."""
     columns = key_columns([r.key for r in records])

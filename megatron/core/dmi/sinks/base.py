@@ -2,6 +2,10 @@
 
 ``write`` may be slow (it runs off the training thread) but must not lose a record it accepted:
 a sink that cannot reach its database spools the batch locally and says so in its report.
+
+A sink whose records end in spool files may instead let the native ring write its tensor
+segments itself (``native_spool_target``): the drain then only relays the writer's progress
+(``native_progress``) and the sink still writes metadata, drops and its report.
 """
 
 from __future__ import annotations
@@ -39,6 +43,17 @@ class Sink(ABC):
 
     def flush(self) -> None:
         """Make everything written so far durable."""
+
+    def native_spool_target(self) -> dict | None:
+        """Where the native spool writer should write this sink's tensor segments (the arguments
+        of ``NativeRingTransport.start_spool``), or None when the sink needs the batches itself."""
+        return None
+
+    def native_progress(self, stats: dict, closed: list[tuple[str, int]]) -> None:
+        """The native writer's counters (records, bytes, dropped_records, dropped_bytes, open_rows,
+        errors) and the segments it closed since the last call; the last call carries the final
+        counters, before ``close``."""
+        raise NotImplementedError(f"{type(self).__name__} does not take native spool segments")
 
     @abstractmethod
     def close(self) -> SinkReport:

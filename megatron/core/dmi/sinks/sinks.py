@@ -126,6 +126,7 @@ class _BufferedSink(DMISink):
         self._pool = ThreadPoolExecutor(writers, thread_name_prefix="dmi-spool") if writers > 1 else None
         self._slots = threading.BoundedSemaphore(writers)
         self._inflight: dict[Future, int] = {}  # segment writes in flight -> their rows
+        self._native: dict = {}  # the native spool writer's latest counters, if it writes our segments
 
     # -- contract ---------------------------------------------------------------------------
     def write_table(self, table: pa.Table) -> None:
@@ -161,9 +162,9 @@ class _BufferedSink(DMISink):
             self.report.drops_recorded += len(keys)
 
     def _unwritten_rows(self) -> int:
-        """Rows buffered or being written to a segment."""
+        """Rows buffered or being written to a segment (by Python or the native writer)."""
         with self._buf_lock:
-            return self._buf_rows + sum(self._inflight.values())
+            return self._buf_rows + sum(self._inflight.values()) + self._native.get("open_rows", 0)
 
     def flush(self) -> None:
         """Write everything buffered, wait for the writers and make the spool durable (fsync)."""
@@ -178,6 +179,7 @@ class _BufferedSink(DMISink):
             self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+        self._fold_native()
         self._before_report()
         with self._io_lock:
             self._emit_meta("reports", report_table(self.run_id, self.attempt, self.coords.rank, self.report))
@@ -187,6 +189,20 @@ class _BufferedSink(DMISink):
         return self.report
 
     # -- internals --------------------------------------------------------------------------
+    def _fold_native(self) -> None:
+        """The native writer's final counts join the report (once, at close)."""
+        n, self._native = self._native, {}
+        if not n:
+            return
+        with self._buf_lock:
+            self.report.records_written += n["records"]
+            self.report.bytes_written += n["bytes"]
+            self.report.records_dropped += n["dropped_records"]
+            self.report.bytes_dropped += n["dropped_bytes"]
+            self.report.errors.extend(n["errors"])
+        for e in n["errors"]:
+            log.error("DMI rank %d: %s", self.coords.rank, e)
+
     def _before_report(self) -> None:
         pass
 
@@ -291,6 +307,15 @@ class SpoolSink(_BufferedSink):
     def _emit_meta(self, kind, table):
         self._spool(kind, table)
 
+    def native_spool_target(self) -> dict | None:
+        return self.spool.native_target(self.segment_bytes)
+
+    def native_progress(self, stats: dict, closed: list[tuple[str, int]]) -> None:
+        for path, rows in closed:
+            self.spool.adopt(path, rows)
+        with self._buf_lock:
+            self._native = stats
+
 
 class EmbeddedSink(SpoolSink):
     """``--dmi-persist clickhouse`` without a URL: every rank spools; the node's ingester (local
@@ -315,6 +340,11 @@ class EmbeddedSink(SpoolSink):
         if self.ingester is not None:
             self.ingester.wake()
 
+    def native_progress(self, stats: dict, closed: list[tuple[str, int]]) -> None:
+        super().native_progress(stats, closed)
+        if closed and self.ingester is not None:
+            self.ingester.wake()
+
     def store_lag(self) -> int | None:
         """Buffered rows plus the rows of this rank's segments the ingester has not loaded yet."""
         return self._unwritten_rows() + self.spool.waiting_rows()
@@ -329,20 +359,18 @@ class EmbeddedSink(SpoolSink):
     def _count_leftover_spool(self) -> None:
         """Our tensor segments the final ingest could not load (e.g. the store refused inserts) are
         not in the store: report them as spooled (a reader or ``load`` picks them up), not written."""
-        import pyarrow.parquet as pq
-
-        from megatron.core.dmi.sinks.spool import list_segments
+        from megatron.core.dmi.sinks.spool import CorruptSegmentError, list_segments, segment_rows_bytes
 
         rows = nbytes = 0
         for seg in list_segments(self.spool_root, ranks={self.coords.rank}):
             if seg.kind != "tensors":
                 continue
             try:
-                t = pq.read_table(seg.path, columns=["nbytes"])
-            except Exception:  # a corrupt leftover is reported by the ingester already
+                r, b = segment_rows_bytes(seg)
+            except CorruptSegmentError:  # a corrupt leftover is reported by the ingester already
                 continue
-            rows += t.num_rows
-            nbytes += int(pa.compute.sum(t.column("nbytes")).as_py() or 0)
+            rows += r
+            nbytes += b
         if rows:
             with self._buf_lock:
                 moved = min(rows, self.report.records_written)

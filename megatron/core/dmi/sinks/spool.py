@@ -3,7 +3,12 @@
 Layout under a store directory::
 
     <store_dir>/spool/rank-<global rank 05d>/<seq 08d>.parquet          tensor records
+    <store_dir>/spool/rank-<global rank 05d>/<seq 08d>.dmiraw           tensor records (native writer)
     <store_dir>/spool/rank-<global rank 05d>/<kind>-<seq 08d>.parquet   runs, topology, drops, reports
+
+``.dmiraw`` segments come from the native ring's C++ spool writer (csrc/dmi/spool_writer.h: the
+record descriptors and payloads as they left the ring, plus each site's static key); they read
+back as the same tensor table as a Parquet segment. Their numbers count on their own.
 
 A segment is written to a hidden temporary name in the same folder and renamed to its final name,
 so a killed process leaves either the whole segment or only a ``.tmp`` file that nothing reads.
@@ -18,18 +23,24 @@ idempotent by that id, whatever the file is called.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
+import struct
 import threading
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, RecordKey, descriptor_table, table_nbytes
 from megatron.core.dmi.sinks import schema as S
 
-SEGMENT_RE = re.compile(r"^(?:(?P<kind>[a-z_]+)-)?(?P<seq>\d{8})\.parquet$")
+SEGMENT_RE = re.compile(r"^(?:(?P<kind>[a-z_]+)-(?P<mseq>\d{8})\.parquet|(?P<seq>\d{8})\.(?P<ext>parquet|dmiraw))$")
+RAW_EXT = "dmiraw"
+RAW_MAGIC, SITE_MAGIC, RECS_MAGIC = b"DMIRAW01", b"DMISITE1", b"DMIRECS1"
 RANK_DIR_RE = re.compile(r"^rank-(?P<rank>\d{5,})$")
 META_ID = b"dmi.segment_id"
 META_KIND = b"dmi.kind"
@@ -102,6 +113,22 @@ class SpoolWriter:
                 top = max(top, int(m.group(1)))
         self._seq = top
         self._dir_ready = True
+
+    def native_target(self, segment_bytes: int) -> dict:
+        """Where and how the native spool writer writes this rank's tensor segments: the folder,
+        the first free ``.dmiraw`` number and the header every segment carries."""
+        with self._lock:
+            self._prepare()
+        top = max((int(m.group(1)) for m in map(re.compile(r"^(\d{8})\.dmiraw$").match, os.listdir(self.dir)) if m),
+                  default=0)
+        header = {"kind": "tensors", "schema_version": S.SCHEMA_VERSION, "rank": self.rank, "run_id": self.run_id,
+                  "writer_id": uuid.uuid4().hex}
+        return {"directory": self.dir, "first_seq": top + 1, "header": header, "segment_bytes": segment_bytes}
+
+    def adopt(self, path: str, rows: int) -> None:
+        """Count a tensor segment another writer (the native one) put in this folder."""
+        with self._lock:
+            self._tensor_rows[path] = rows
 
     def write(self, kind: str, table: pa.Table, durable: bool = True) -> str:
         """Write ``table`` as one segment of ``kind``; returns the final path. Raises OSError (e.g.
@@ -185,6 +212,10 @@ class Segment:
     seq: int
 
     @property
+    def raw(self) -> bool:
+        return self.path.endswith("." + RAW_EXT)
+
+    @property
     def size(self) -> int:
         try:
             return os.path.getsize(self.path)
@@ -210,7 +241,8 @@ def list_segments(spool_root: str, ranks: set[int] | None = None) -> list[Segmen
         for name in os.listdir(folder):
             sm = SEGMENT_RE.match(name)
             if sm:
-                out.append(Segment(os.path.join(folder, name), rank, sm.group("kind") or "tensors", int(sm.group("seq"))))
+                seq = int(sm.group("seq") or sm.group("mseq"))
+                out.append(Segment(os.path.join(folder, name), rank, sm.group("kind") or "tensors", seq))
     out.sort(key=lambda s: (s.rank, s.seq))
     return out
 
@@ -223,7 +255,10 @@ def segment_id_of(seg: Segment, metadata: dict | None) -> str:
 
 
 def peek_segment_id(seg: Segment) -> str:
-    """The segment's id from its footer alone (cheap); raises CorruptSegmentError."""
+    """The segment's id from its footer (Parquet) or header (raw) alone; raises CorruptSegmentError."""
+    if seg.raw:
+        header, _ = _raw_header(seg.path)
+        return f"{header['writer_id']}-{header['seq']}"
     try:
         md = pq.read_schema(seg.path).metadata
     except Exception as e:
@@ -231,8 +266,73 @@ def peek_segment_id(seg: Segment) -> str:
     return segment_id_of(seg, md)
 
 
+def _raw_header(path: str) -> tuple[dict, int]:
+    """A raw segment's header (with its ``seq``) and where its first block starts."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(24)
+            magic, seq, n = struct.unpack("<8sQQ", head) if len(head) == 24 else (b"", 0, 0)
+            if magic != RAW_MAGIC:
+                raise CorruptSegmentError(f"{path}: not a DMI raw segment (bad magic)")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise CorruptSegmentError(f"{path}: unreadable raw segment header ({type(e).__name__}: {e})") from None
+    header["seq"] = seq
+    return header, 24 + n + (-n) % 8
+
+
+def read_raw_segment(path: str) -> pa.Table:
+    """A ``.dmiraw`` segment as the tensor table; the payload column views the memory-mapped file."""
+    header, pos = _raw_header(path)
+    if header.get("schema_version") != S.SCHEMA_VERSION:
+        raise CorruptSegmentError(f"{path}: raw segment of schema version {header.get('schema_version')}, "
+                                  f"this megatron-dmi loads version {S.SCHEMA_VERSION}")
+    buf = pa.memory_map(path).read_buffer()
+    words = len(DESCRIPTOR_COLUMNS)
+    sites: dict[int, RecordKey] = {}
+    tables = []
+    try:
+        while pos < buf.size:
+            magic, a, b = struct.unpack_from("<8sQQ", buf, pos)
+            pos += 24
+            if magic == SITE_MAGIC:
+                sites[a] = RecordKey.from_flat(json.loads(buf.slice(pos, b).to_pybytes()))
+                pos += b + (-b) % 8
+            elif magic == RECS_MAGIC:
+                rows = np.frombuffer(buf, dtype=np.uint64, count=a * words, offset=pos).reshape(a, words)
+                pos += a * words * 8
+                if pos + b > buf.size:
+                    raise ValueError("payload runs past the end of the file")
+                tables.append(descriptor_table(sites, rows, buf.slice(pos, b)))  # KeyError: undefined site
+                pos += b + (-b) % 8
+            else:
+                raise ValueError(f"unknown block {magic!r} at byte {pos - 24}")
+    except (ValueError, KeyError, struct.error, json.JSONDecodeError) as e:
+        raise CorruptSegmentError(f"{path}: damaged raw segment ({type(e).__name__}: {e})") from None
+    meta = {META_ID: f"{header['writer_id']}-{header['seq']}".encode(), META_KIND: b"tensors",
+            META_VERSION: str(S.SCHEMA_VERSION).encode(), META_RANK: str(header.get("rank", "")).encode(),
+            META_RUN: str(header.get("run_id", "")).encode()}
+    schema = S.KIND_SCHEMAS["tensors"]
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    return table.replace_schema_metadata(meta)
+
+
+def segment_rows_bytes(seg: Segment) -> tuple[int, int]:
+    """Rows and payload bytes of a tensor segment (raises CorruptSegmentError)."""
+    if seg.raw:
+        t = read_raw_segment(seg.path)
+    else:
+        try:
+            t = pq.read_table(seg.path, columns=["nbytes"])
+        except Exception as e:
+            raise CorruptSegmentError(f"{seg.path}: cannot read ({type(e).__name__}: {e})") from None
+    return t.num_rows, table_nbytes(t)
+
+
 def read_segment(seg: Segment) -> pa.Table:
     """Read and validate a whole segment against its kind's schema."""
+    if seg.raw:
+        return read_raw_segment(seg.path)
     expected = S.KIND_SCHEMAS[seg.kind]
     try:
         table = pq.read_table(seg.path)
@@ -254,5 +354,6 @@ def read_segment(seg: Segment) -> pa.Table:
 
 
 __all__ = [
-    "SpoolWriter", "Segment", "list_segments", "read_segment", "peek_segment_id", "CorruptSegmentError", "rank_dir",
+    "SpoolWriter", "Segment", "list_segments", "read_segment", "read_raw_segment", "segment_rows_bytes",
+    "peek_segment_id", "CorruptSegmentError", "rank_dir",
 ]

@@ -29,7 +29,6 @@ import torch
 
 HOST_SOURCES = ("host_ring.cpp",)
 CUDA_SOURCES = ("cuda_ring.cu", "cuda_ring_bind.cpp")
-HEADERS = ("ring_protocol.h", "drain.h", "bind_common.h")
 DEFAULT_CUDA_ARCH = "9.0"
 _CFLAGS = ["-O3", "-std=c++17"]
 

@@ -27,6 +27,7 @@ Importing this module needs torch, numpy and pyarrow only (not megatron-core).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Iterable
 
@@ -34,14 +35,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from megatron.core.dmi.records import KEY_COLUMNS, PHASES, Record, RecordKey, batch_table, dtype_name, key_columns
+from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, PHASES, Record, RecordKey, descriptor_table, dtype_name
 from megatron.core.dmi.transport import jit
 from megatron.core.dmi.transport.base import SLOT_ALIGN, OnFull, Transport, TransportStats
 from megatron.core.dmi.transport.blobs import BlobPool
 
 _DYNAMIC = ("iteration", "microbatch", "attempt", "phase", "invocation")
-# Columns of take_into's rows (csrc/dmi/bind_common.h).
-_TAKE_COLUMNS = ("seq", "site", "iteration", "microbatch", "attempt", "phase", "invocation", "nbytes", "crc32")
 # A batch filling less than this share of its pooled buffer is copied out, so a trickle of small
 # batches never pins many large buffers while they wait in the sink.
 _MIN_FILL = 0.25
@@ -57,6 +56,11 @@ def _phase_code(phase: str | int) -> int:
         return PHASES.index(phase)
     except ValueError:
         raise ValueError(f"unknown phase {phase!r} (expected one of {PHASES})") from None
+
+
+def site_json(key: RecordKey) -> str:
+    """A site's static key as the native spool writer stores it (``RecordKey.from_flat`` reads it)."""
+    return json.dumps(key.flat(), separators=(",", ":"))
 
 
 def _capturing() -> bool:
@@ -112,6 +116,7 @@ class NativeRingTransport(Transport):
         self._sites: list[RecordKey] = []
         self._site_ids: dict[RecordKey, int] = {}
         self.blobs = BlobPool(min(self.staging_bytes, self.TAKE_BUFFER_BYTES))
+        self._spool = None  # the native spool writer, when it is the consumer (start_spool)
         self._ctx = (0, 0, 0, 0, 0)  # host copy of the context block (iteration, mb, attempt, phase, inv)
         self._blocked_seconds = 0.0
         self._closed = False
@@ -163,6 +168,8 @@ class NativeRingTransport(Transport):
                 raise OverflowError("too many DMI sites")
             self._sites.append(static)
             self._site_ids[static] = site
+            if self._spool is not None:
+                self._spool.add_site(site, site_json(static))
         return site
 
     def site_key(self, site_id: int) -> RecordKey:
@@ -269,9 +276,46 @@ class NativeRingTransport(Transport):
             res = self._ring.publish(ptr, nbytes, site_id, mask, ctx)
         return res == 1
 
+    # ------------------------------------------------------------------ native spool
+    def start_spool(self, directory: str, header: dict, first_seq: int, segment_bytes: int, linger_bytes: int,
+                    poll_seconds: float = 0.05) -> None:
+        """Make a C++ thread the ring's consumer: it writes finished records straight from staging
+        into raw spool segments (``<seq>.dmiraw`` in ``directory``, numbered from ``first_seq``;
+        format in csrc/dmi/spool_writer.h), checksummed, without Python or the GIL. ``take*`` must
+        not be used while it runs."""
+        if self._spool is not None:
+            raise RuntimeError("the native spool writer is already running")
+        self._spool = self._mod.SpoolThread(self._ring, directory, json.dumps(header), int(first_seq),
+                                            int(segment_bytes), int(linger_bytes), float(poll_seconds))
+        for site, key in enumerate(self._sites):
+            self._spool.add_site(site, site_json(key))
+
+    @property
+    def spooling(self) -> bool:
+        return self._spool is not None
+
+    def spool_flush(self, timeout: float) -> bool:
+        """Wait until every record published so far (synchronise the producing stream first) is
+        in a closed, fsync'd segment."""
+        return bool(self._spool.flush(float(timeout)))
+
+    def spool_progress(self) -> tuple[dict, list[tuple[str, int]]]:
+        """The writer's counters, and the segments it closed since the last call (path, rows)."""
+        return dict(self._spool.stats()), list(self._spool.take_closed())
+
+    def stop_spool(self) -> tuple[dict, list[tuple[str, int]]]:
+        """Write everything published so far (synchronise the producing stream first), close the
+        last segment, end the writer; returns its final counters and the segments closed since the
+        last ``spool_progress``."""
+        self._spool.stop()
+        out = self.spool_progress()
+        self._spool = None
+        return out
+
     # ------------------------------------------------------------------ take
     def take_with_seq(self, max_records: int, timeout: float) -> list[tuple[int, Record]]:
         """Like ``take`` but also returns each record's sequence number."""
+        self._check_no_spool()
         raw = self._ring.take(int(max_records), float(timeout))
         out = []
         sites = self._sites
@@ -291,34 +335,27 @@ class NativeRingTransport(Transport):
         (no Arrow compute): every time a background thread re-takes the GIL the training thread
         is made to yield it, so the consumer's cost to training grows with its GIL round trips,
         not with its bytes. ``min_bytes``: linger up to ``timeout`` until that much is ready."""
+        self._check_no_spool()
         lease = self.blobs.lease()
         raw, too_big = self._ring.take_into(int(max_records), float(timeout), lease.address, lease.nbytes,
                                             int(min_bytes))
         if too_big:  # the next record alone is larger than a pooled buffer
             lease = self.blobs.lease(too_big)
             raw, too_big = self._ring.take_into(1, 0.0, lease.address, lease.nbytes)
-        rows = np.frombuffer(raw, dtype=np.uint64).reshape(-1, len(_TAKE_COLUMNS))
+        rows = np.frombuffer(raw, dtype=np.uint64).reshape(-1, len(DESCRIPTOR_COLUMNS))
         if not len(rows):
             return None
-        col = {name: rows[:, i] for i, name in enumerate(_TAKE_COLUMNS)}
-        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(col["nbytes"], out=offsets[1:])
-        total = int(offsets[-1])
+        total = int(rows[:, DESCRIPTOR_COLUMNS.index("nbytes")].sum())
         data = lease.buffer(total)
         if total < _MIN_FILL * lease.nbytes:
             data = pa.py_buffer(bytes(data))  # small: copy out and give the buffer back now
         del lease
-        return batch_table(self._key_columns(col), offsets, data, col["crc32"].astype(np.uint32))
+        # Sites are registered before their records exist, so every row's site is known here.
+        return descriptor_table(self._sites, rows, data)
 
-    def _key_columns(self, col: dict[str, np.ndarray]) -> dict[str, pa.Array]:
-        """Static columns from the sites (a site is registered before its records exist), the
-        dynamic ones from the descriptors."""
-        out = key_columns([self._sites[i] for i in col["site"].tolist()])
-        types = dict(KEY_COLUMNS)
-        for name in ("iteration", "microbatch", "attempt", "invocation"):
-            out[name] = pa.array(col[name].astype(types[name].to_pandas_dtype()), type=types[name])
-        out["phase"] = pa.array([PHASES[i] for i in col["phase"].tolist()], type=pa.string())
-        return out
+    def _check_no_spool(self) -> None:
+        if self._spool is not None:
+            raise RuntimeError("the native spool writer is the consumer of this ring: take() is not available")
 
     def pending(self) -> int:
         s = self._ring.stats()
@@ -353,6 +390,9 @@ class NativeRingTransport(Transport):
         from megatron.core.dmi.transport import ops
 
         ops.unregister_transport(self.handle)
+        if self._spool is not None:
+            self.settle()
+            self.stop_spool()
         self._ring.close()  # memory is freed once the ring tensor is gone too
 
     def __del__(self):  # pragma: no cover - best effort
