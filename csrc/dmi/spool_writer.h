@@ -181,7 +181,7 @@ class SpoolThread {
     tmp_ = cfg_.dir + "/." + name + "." + std::to_string(getpid()) + ".tmp";
     fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd_ < 0) {
-      error("cannot create spool segment " + tmp_ + ": " + std::strerror(errno));
+      error("cannot create spool segment " + tmp_ + " (" + why(errno) + ")");
       return false;
     }
     file_bytes_ = 0;
@@ -191,7 +191,7 @@ class SpoolThread {
     std::string body = cfg_.header_json + std::string(pad8(cfg_.header_json.size()), '\0');
     std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
     if (!write_iov(iov)) {
-      error("cannot write spool segment " + tmp_ + ": " + std::strerror(errno));
+      error("cannot write spool segment " + tmp_ + " (" + why(errno) + ")");
       ::close(fd_);
       ::unlink(tmp_.c_str());
       fd_ = -1;
@@ -211,7 +211,10 @@ class SpoolThread {
     }
     std::vector<uint32_t> crc;
     checksum_spans(ptrs, lens, crc);
-    if (fd_ < 0 && !open_segment()) return drop(rows, payload);
+    if (fd_ < 0 && !open_segment()) {
+      error(std::to_string(rows) + " record(s) could not be spooled; those rows are DROPPED");
+      return drop(rows, payload);
+    }
     // Site definitions this segment has not seen yet.
     std::string sites;
     {
@@ -240,9 +243,8 @@ class SpoolThread {
     if (pad8(payload)) iov.push_back({const_cast<char*>(zeros), pad8(payload)});
     uint64_t good = file_bytes_;
     if (!write_iov(iov)) {
-      int err = errno;
-      error("cannot write " + std::to_string(rows) + " record(s) to spool segment " + tmp_ + " (" +
-            std::strerror(err) + "); those records are DROPPED, the segment keeps what it had");
+      error("cannot write " + std::to_string(rows) + " record(s) to spool segment " + tmp_ + " (" + why(errno) +
+            "); those rows are DROPPED, the segment keeps what it had");
       // Cut back to the last whole block; forget the sites written in the lost part.
       if (::ftruncate(fd_, static_cast<off_t>(good)) == 0) file_bytes_ = good;
       for (const Entry& e : got) segment_sites_.erase(e.d.site);
@@ -330,6 +332,8 @@ class SpoolThread {
     }
     return true;
   }
+
+  static std::string why(int err) { return err == ENOSPC ? "disk full" : std::strerror(err); }
 
   static uint64_t pad8(uint64_t n) { return (8 - n % 8) % 8; }
 

@@ -12,9 +12,9 @@ import stat
 import subprocess
 import sys
 
-import pyarrow.parquet as pq
 import pytest
 
+from megatron.core.dmi.sinks.spool import list_segments, segment_rows_bytes
 from tests.functional_tests.launch import REPO, tiny_moe_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -61,8 +61,12 @@ def only_run(data):
     return next(iter(data["runs"].values()))
 
 
+def tensor_segments(spool):
+    return [s for s in list_segments(spool) if s.kind == "tensors"]
+
+
 def spool_rows(store):
-    return sum(pq.read_metadata(p).num_rows for p in glob.glob(os.path.join(store, "spool", "rank-*", "[0-9]*.parquet")))
+    return sum(segment_rows_bytes(s)[0] for s in tensor_segments(os.path.join(store, "spool")))
 
 
 # -- ClickHouse unreachable at start; spool mode works --------------------------------------------
@@ -92,7 +96,7 @@ def test_unreachable_url_at_start_is_a_clear_startup_error(tmp_path):
     assert err and "unreachable" in err[0] and "--dmi-persist spool" in err[0], out[-3000:]
     assert "Traceback" not in out and "iteration        1/" not in out  # before any training step
     assert SECRET not in out
-    assert not glob.glob(os.path.join(store, "spool", "*", "*.parquet"))  # nothing captured
+    assert not tensor_segments(os.path.join(store, "spool"))  # nothing captured
 
 
 def test_spool_mode_with_the_server_down_keeps_every_record(spool_run):
@@ -115,13 +119,13 @@ def test_corrupt_and_truncated_spool_segments_are_reported_and_the_rest_loads(sp
     _, store, _ = spool_run
     spool = str(tmp_path / "spool")
     shutil.copytree(os.path.join(store, "spool"), spool)
-    segs = sorted(glob.glob(os.path.join(spool, "rank-*", "[0-9]*.parquet")))
+    segs = tensor_segments(spool)
     assert len(segs) == 4, segs  # one tensor segment per iteration (a flush at every checkpoint)
-    lost = pq.read_metadata(segs[1]).num_rows + pq.read_metadata(segs[2]).num_rows
+    lost = segment_rows_bytes(segs[1])[0] + segment_rows_bytes(segs[2])[0]
+    segs = [s.path for s in segs]
     with open(segs[1], "r+b") as f:  # truncated: half of the file
         f.truncate(os.path.getsize(segs[1]) // 2)
-    with open(segs[2], "r+b") as f:  # corrupted: garbage over the footer
-        f.seek(-64, os.SEEK_END)
+    with open(segs[2], "r+b") as f:  # corrupted: garbage over the header
         f.write(os.urandom(64))
     target = str(tmp_path / "loaded")
     rc, msg = cli("load", spool, "--store", target)

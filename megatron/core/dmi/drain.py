@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import warnings
 
 import pyarrow as pa
 
@@ -44,6 +45,7 @@ class Drain:
         self.bytes_persisted = 0
         self.batches_written = 0
         self.sink_errors: list[str] = []
+        self._native_errors_seen = 0
         target = sink.native_spool_target() if native_spool and hasattr(transport, "start_spool") else None
         self.native = target is not None
         if self.native:
@@ -119,6 +121,10 @@ class Drain:
         """Counters (as of the last relay, at most PROGRESS_SECONDS old) and closed segments to the
         sink, which reports the writer's errors at close."""
         self.records_persisted, self.bytes_persisted = stats["records"], stats["bytes"]
+        for msg in stats["errors"][self._native_errors_seen:]:  # say it when it happens, loudly
+            warnings.warn(f"DMI: {msg}", RuntimeWarning, stacklevel=2)
+            log.error("DMI: %s", msg)
+        self._native_errors_seen = len(stats["errors"])
         self.sink.native_progress(stats, closed)
 
     @property
