@@ -11,7 +11,8 @@ for a block of steps, timed with CUDA events:
   pinned       plain forward hooks copying to pinned buffers on a side stream (persists nothing)
   torch_ring   router,attn through DMI's pure-PyTorch transport, spooled
 
-Then a dense model whose whole forward+backward is captured in a CUDA graph, with and without DMI's
+Each round starts one arm later than the one before (rotation), with a garbage collection before
+every block (untimed). Then a dense model whose whole forward+backward is captured in a CUDA graph, with and without DMI's
 attention-context producers inside the graph (gate + context set before every replay; the dense
 model has no router, so this is router_attn's capture under graphs):
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import resource
@@ -245,8 +247,16 @@ def run_moe(a, spool_root: str) -> tuple[dict, dict]:
     times = {arm: [] for arm in a.arms}
     host = {arm: [] for arm in a.arms}
     totals: dict[str, dict] = {}
+    t_start = time.perf_counter()
     for rnd in range(a.rounds):
-        for arm in a.arms:
+        if a.moe_seconds and time.perf_counter() - t_start > a.moe_seconds:
+            print(f"stopping after {rnd} rounds (--moe-seconds {a.moe_seconds:.0f})", flush=True)
+            break
+        # Each round starts one arm later, so no arm always follows the same one (a slow teardown,
+        # page-cache writeback) or always runs first in a round.
+        first = rnd % len(a.arms)
+        for arm in a.arms[first:] + a.arms[:first]:
+            gc.collect()  # the previous arm's garbage is collected here, not inside a timed step
             dmi = plain = None
             if arm in ("router", "router_attn", "router_attn_py", "torch_ring"):
                 hooks = "router" if arm == "router" else "router,attn"
@@ -306,8 +316,9 @@ def run_graphs(a, spool_root: str) -> tuple[dict, dict]:
     dmi.detach()
     times = {arm: [] for arm in GRAPH_ARMS}
     replays = 0
-    for rnd in range(a.rounds):
+    for rnd in range(a.graph_rounds or a.rounds):
         for arm in GRAPH_ARMS:
+            gc.collect()
             for i in range(a.warmup + a.steps):
                 if arm == "graph_dmi":
                     replays += 1
@@ -341,6 +352,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=5, help="timed steps per arm per round")
+    p.add_argument("--moe-seconds", type=float, default=0, help="start no new MoE round after this long (0: all rounds)")
+    p.add_argument("--graph-rounds", type=int, default=0, help="rounds of the graph arms (0: --rounds)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per arm per round")
     p.add_argument("--ring-mb", type=float, default=512)
     p.add_argument("--spool", default="/tmp/dmi_bench_spool")

@@ -10,6 +10,10 @@ Payloads are bf16 normal samples (like activations; barely compressible). Prints
 writes JSON (``--json``). Usage::
 
     python benchmarks/persist_throughput.py --total-mb 1024 --repeats 3 --json persist.json
+
+``--from-spool DIR`` measures the ingest path on real captures instead: every tensor segment under
+DIR (raw or Parquet, e.g. the spool of a GPU run brought back here) is read, validated and
+inserted ``--copies`` times, each copy under shifted iterations so no row collapses into another.
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ import statistics
 import tempfile
 import time
 
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import torch
 
-from megatron.core.dmi.records import ParallelCoords, Record, RecordKey, records_to_table
+from megatron.core.dmi.records import ParallelCoords, Record, RecordKey, records_to_table, table_nbytes
 from megatron.core.dmi.sinks import SpoolSink
 from megatron.core.dmi.sinks.backend import ChdbBackend
 from megatron.core.dmi.sinks.ingest import ingest_spool, load_table
+from megatron.core.dmi.sinks.spool import list_segments, read_segment
 
 
 def make_records(record_bytes: int, n: int, iteration: int, pool: list[bytes]) -> list[Record]:
@@ -41,6 +48,35 @@ def make_records(record_bytes: int, n: int, iteration: int, pool: list[bytes]) -
     return out
 
 
+def from_spool(spool: str, copies: int, root: str) -> dict:
+    """Ingest throughput of real segments: read + validate + insert, ``copies`` times."""
+    segs = [s for s in list_segments(spool) if s.kind == "tensors"]
+    if not segs:
+        raise SystemExit(f"no tensor spool segments under {spool}")
+    backend = ChdbBackend(os.path.join(root, "store", "chdb"))
+    backend.ensure_schema()
+    try:
+        load_table(backend, "tensors", read_segment(segs[0]))  # warm-up (copy 0 of the first segment)
+        nbytes = rows = 0
+        t0 = time.perf_counter()
+        for copy in range(1, copies + 1):
+            for seg in segs:
+                t = read_segment(seg)
+                shifted = pa.compute.add(t.column("iteration"), pa.scalar(copy * 1_000_000, pa.int64()))
+                t = t.set_column(t.schema.get_field_index("iteration"), "iteration", shifted)
+                load_table(backend, "tensors", t)
+                nbytes += table_nbytes(t)
+                rows += t.num_rows
+        wall = time.perf_counter() - t0
+    finally:
+        backend.close()
+    out = {"spool": os.path.abspath(spool), "segments": len(segs), "raw_segments": sum(s.raw for s in segs),
+           "copies": copies, "records": rows, "payload_bytes": nbytes, "ingest_MBps": nbytes / wall / 1e6}
+    print(f"ingest of {len(segs)} real segment(s) x {copies}: {rows} records, {nbytes / 2**20:.0f} MiB, "
+          f"{out['ingest_MBps']:.0f} MB/s")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--total-mb", type=int, default=512, help="payload per measurement")
@@ -49,10 +85,23 @@ def main() -> None:
     ap.add_argument("--batch-mb", type=int, default=64, help="records per insert / spool segment, in MiB")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--from-spool", default=None, help="ingest these real spool segments instead of synthetic records")
+    ap.add_argument("--copies", type=int, default=10, help="with --from-spool: how many times to ingest them")
     args = ap.parse_args()
 
     root = args.dir or tempfile.mkdtemp(prefix="dmi_bench_")
     os.makedirs(root, exist_ok=True)
+    if args.from_spool:
+        try:
+            out = from_spool(args.from_spool, args.copies, root)
+        finally:
+            if not args.dir:
+                shutil.rmtree(root, ignore_errors=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                           "args": vars(args), **out}, f, indent=2)
+        return
     backend = ChdbBackend(os.path.join(root, "store", "chdb"))
     backend.ensure_schema()
     results = []
