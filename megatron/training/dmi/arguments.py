@@ -119,7 +119,7 @@ def add_dmi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "default none: DMI is off")
     g.add_argument("--dmi-persist", choices=("clickhouse", "spool", "none"), default="clickhouse",
                    help="clickhouse: embedded chDB under --dmi-store-dir, or a server with --dmi-clickhouse-url; "
-                        "spool: local Parquet files only; none: capture and transport, store nothing")
+                        "spool: local spool segments only (loadable later with `load`); none: capture and transport, store nothing")
     g.add_argument("--dmi-store-dir", default=None,
                    help="store and spool directory (default: <--save>/dmi_store, else ./dmi_store)")
     g.add_argument("--dmi-clickhouse-url", type=_clickhouse_url, default=None,
