@@ -29,7 +29,8 @@ class Drain:
     """``linger_bytes``: while nothing waits on a flush, each take waits up to ``poll_seconds`` for
     that much payload, so small records leave in few batches: every batch costs a GIL round trip,
     and each one makes the training thread yield the GIL (see NativeRingTransport.take_table).
-    Default: 32 MiB or a quarter of the ring, whichever is smaller."""
+    Default: 32 MiB or a quarter of the ring, whichever is smaller. ``native_spool=False`` keeps
+    the Python consumer even where the ring's C++ spool writer could be used (comparisons, tests)."""
 
     PROGRESS_SECONDS = 0.5  # how often the native writer's progress is relayed to the sink
     FLUSH_TIMEOUT = 600.0
