@@ -186,6 +186,7 @@ class SpoolThread {
     }
     file_bytes_ = 0;
     segment_rows_ = 0;
+    segment_bytes_ = 0;
     segment_sites_.clear();
     std::string head = block_head("DMIRAW01", seq_, cfg_.header_json.size());
     std::string body = cfg_.header_json + std::string(pad8(cfg_.header_json.size()), '\0');
@@ -245,14 +246,19 @@ class SpoolThread {
     if (!write_iov(iov)) {
       error("cannot write " + std::to_string(rows) + " record(s) to spool segment " + tmp_ + " (" + why(errno) +
             "); those rows are DROPPED, the segment keeps what it had");
-      // Cut back to the last whole block; forget the sites written in the lost part.
-      if (::ftruncate(fd_, static_cast<off_t>(good)) == 0) file_bytes_ = good;
-      for (const Entry& e : got) segment_sites_.erase(e.d.site);
       drop(rows, payload);
-      close_segment();
+      // Cut back to the last whole block and close: the next segment starts clean. If even that
+      // fails, the segment cannot be trusted: it goes, and its records count as dropped.
+      if (::ftruncate(fd_, static_cast<off_t>(good)) == 0) {
+        file_bytes_ = good;
+        close_segment();
+        return;
+      }
+      discard_segment("cannot cut spool segment " + tmp_ + " back (" + why(errno) + ")");
       return;
     }
     segment_rows_ += rows;
+    segment_bytes_ += payload;
     std::lock_guard<std::mutex> g(mu_);
     stats_.records += rows;
     stats_.bytes += payload;
@@ -265,6 +271,20 @@ class SpoolThread {
     stats_.dropped_bytes += bytes;
   }
 
+  // The open segment cannot be kept: remove it and count its records as dropped.
+  void discard_segment(const std::string& what) {
+    error(what + "; its " + std::to_string(segment_rows_) + " record(s) are DROPPED");
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+    ::unlink(tmp_.c_str());
+    std::lock_guard<std::mutex> g(mu_);
+    stats_.records -= segment_rows_;
+    stats_.bytes -= segment_bytes_;
+    stats_.dropped_records += segment_rows_;
+    stats_.dropped_bytes += segment_bytes_;
+    stats_.open_rows = 0;
+  }
+
   void close_segment() {
     if (fd_ < 0) return;
     ::close(fd_);
@@ -274,12 +294,7 @@ class SpoolThread {
       return;
     }
     if (::rename(tmp_.c_str(), final_.c_str()) != 0) {
-      error("cannot rename spool segment " + tmp_ + ": " + std::strerror(errno) + "; its records are DROPPED");
-      ::unlink(tmp_.c_str());
-      std::lock_guard<std::mutex> g(mu_);
-      stats_.records -= segment_rows_;
-      stats_.dropped_records += segment_rows_;
-      stats_.open_rows = 0;
+      discard_segment("cannot rename spool segment " + tmp_ + " (" + why(errno) + ")");
       return;
     }
     ++seq_;
@@ -360,7 +375,7 @@ class SpoolThread {
 
   // writer thread only
   int fd_ = -1;
-  uint64_t file_bytes_ = 0, segment_rows_ = 0;
+  uint64_t file_bytes_ = 0, segment_rows_ = 0, segment_bytes_ = 0;  // file size; records and payload in it
   std::string tmp_, final_;
   std::unordered_set<uint64_t> segment_sites_;
   std::vector<std::string> unsynced_;

@@ -40,6 +40,7 @@ from megatron.core.dmi.sinks import schema as S
 
 SEGMENT_RE = re.compile(r"^(?:(?P<kind>[a-z_]+)-(?P<mseq>\d{8})\.parquet|(?P<seq>\d{8})\.(?P<ext>parquet|dmiraw))$")
 RAW_EXT = "dmiraw"
+RAW_NAME_RE = re.compile(r"^(\d{8})\.dmiraw$")
 RAW_MAGIC, SITE_MAGIC, RECS_MAGIC = b"DMIRAW01", b"DMISITE1", b"DMIRECS1"
 RANK_DIR_RE = re.compile(r"^rank-(?P<rank>\d{5,})$")
 META_ID = b"dmi.segment_id"
@@ -119,8 +120,7 @@ class SpoolWriter:
         the first free ``.dmiraw`` number and the header every segment carries."""
         with self._lock:
             self._prepare()
-        top = max((int(m.group(1)) for m in map(re.compile(r"^(\d{8})\.dmiraw$").match, os.listdir(self.dir)) if m),
-                  default=0)
+        top = max((int(m.group(1)) for m in map(RAW_NAME_RE.match, os.listdir(self.dir)) if m), default=0)
         header = {"kind": "tensors", "schema_version": S.SCHEMA_VERSION, "rank": self.rank, "run_id": self.run_id,
                   "writer_id": uuid.uuid4().hex}
         return {"directory": self.dir, "first_seq": top + 1, "header": header, "segment_bytes": segment_bytes}
@@ -257,8 +257,7 @@ def segment_id_of(seg: Segment, metadata: dict | None) -> str:
 def peek_segment_id(seg: Segment) -> str:
     """The segment's id from its footer (Parquet) or header (raw) alone; raises CorruptSegmentError."""
     if seg.raw:
-        header, _ = _raw_header(seg.path)
-        return f"{header['writer_id']}-{header['seq']}"
+        return _raw_segment_id(_raw_header(seg.path)[0])
     try:
         md = pq.read_schema(seg.path).metadata
     except Exception as e:
@@ -279,6 +278,11 @@ def _raw_header(path: str) -> tuple[dict, int]:
         raise CorruptSegmentError(f"{path}: unreadable raw segment header ({type(e).__name__}: {e})") from None
     header["seq"] = seq
     return header, 24 + n + (-n) % 8
+
+
+def _raw_segment_id(header: dict) -> str:
+    """Unique per segment: the writer's id (new at every start) and the segment's number."""
+    return f"{header.get('writer_id', 'raw')}-{header['seq']}"
 
 
 def read_raw_segment(path: str) -> pa.Table:
@@ -309,7 +313,7 @@ def read_raw_segment(path: str) -> pa.Table:
                 raise ValueError(f"unknown block {magic!r} at byte {pos - 24}")
     except (ValueError, KeyError, struct.error, json.JSONDecodeError) as e:
         raise CorruptSegmentError(f"{path}: damaged raw segment ({type(e).__name__}: {e})") from None
-    meta = {META_ID: f"{header['writer_id']}-{header['seq']}".encode(), META_KIND: b"tensors",
+    meta = {META_ID: _raw_segment_id(header).encode(), META_KIND: b"tensors",
             META_VERSION: str(S.SCHEMA_VERSION).encode(), META_RANK: str(header.get("rank", "")).encode(),
             META_RUN: str(header.get("run_id", "")).encode()}
     schema = S.KIND_SCHEMAS["tensors"]
