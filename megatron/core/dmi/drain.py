@@ -42,8 +42,8 @@ class Drain:
         self.batch_records = batch_records
         self.poll_seconds = poll_seconds
         self.linger_bytes = min(32 << 20, transport.ring_bytes // 4) if linger_bytes is None else linger_bytes
-        self.records_persisted = 0  # handed to the sink (native: written into spool segments)
-        self.bytes_persisted = 0
+        self._records = 0  # handed to the sink (native: as of the last relay)
+        self._bytes = 0
         self.batches_written = 0
         self.sink_errors: list[str] = []
         self._native_errors_seen = 0
@@ -51,6 +51,7 @@ class Drain:
         self.native = target is not None
         if self.native:
             transport.start_spool(**target, linger_bytes=self.linger_bytes, poll_seconds=poll_seconds)
+            sink.native_started(transport.spool_stats)
         self._stop = threading.Event()
         # Flush requests are answered by the drain thread itself: only it takes records, so only it
         # knows when everything taken has also been written.
@@ -61,8 +62,8 @@ class Drain:
     def _write(self, table: pa.Table) -> None:
         try:
             self.sink.write_table(table)
-            self.records_persisted += table.num_rows
-            self.bytes_persisted += table_nbytes(table)
+            self._records += table.num_rows
+            self._bytes += table_nbytes(table)
             self.batches_written += 1
         except Exception as exc:  # the sink spools on its own; anything else must not kill training
             msg = f"sink write of {table.num_rows} records failed: {exc!r}"
@@ -75,6 +76,19 @@ class Drain:
                 self._flush_requests.get_nowait().set()
             except queue.Empty:
                 return
+
+    def _persisted(self, field: str, relayed: int) -> int:
+        live = self.transport.spool_stats() if self.native else None
+        return live[field] if live else relayed
+
+    @property
+    def records_persisted(self) -> int:
+        """Records handed to the sink (native: written into spool segments, live)."""
+        return self._persisted("records", self._records)
+
+    @property
+    def bytes_persisted(self) -> int:
+        return self._persisted("bytes", self._bytes)
 
     def _run(self) -> None:
         if self.native:
@@ -119,9 +133,9 @@ class Drain:
                 self._relay(*self.transport.spool_progress())
 
     def _relay(self, stats: dict, closed: list) -> None:
-        """Counters (as of the last relay, at most PROGRESS_SECONDS old) and closed segments to the
-        sink, which reports the writer's errors at close."""
-        self.records_persisted, self.bytes_persisted = stats["records"], stats["bytes"]
+        """Counters and closed segments to the sink (every PROGRESS_SECONDS), which reports the
+        writer's errors at close."""
+        self._records, self._bytes = stats["records"], stats["bytes"]
         for msg in stats["errors"][self._native_errors_seen:]:  # say it when it happens, loudly
             warnings.warn(f"DMI: {msg}", RuntimeWarning, stacklevel=2)
             log.error("DMI: %s", msg)

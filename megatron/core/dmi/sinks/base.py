@@ -49,6 +49,10 @@ class Sink(ABC):
         of ``NativeRingTransport.start_spool``), or None when the sink needs the batches itself."""
         return None
 
+    def native_started(self, live_stats) -> None:
+        """The native writer now writes this sink's tensor segments; ``live_stats()`` returns its
+        current counters (None once it stopped)."""
+
     def native_progress(self, stats: dict, closed: list[tuple[str, int]]) -> None:
         """The native writer's counters (records, bytes, dropped_records, dropped_bytes, open_rows,
         errors) and the segments it closed since the last call; the last call carries the final

@@ -127,6 +127,7 @@ class _BufferedSink(DMISink):
         self._slots = threading.BoundedSemaphore(writers)
         self._inflight: dict[Future, int] = {}  # segment writes in flight -> their rows
         self._native: dict = {}  # the native spool writer's latest counters, if it writes our segments
+        self._native_live = None  # and how to read them now
 
     # -- contract ---------------------------------------------------------------------------
     def write_table(self, table: pa.Table) -> None:
@@ -163,8 +164,10 @@ class _BufferedSink(DMISink):
 
     def _unwritten_rows(self) -> int:
         """Rows buffered or being written to a segment (by Python or the native writer)."""
+        live = self._native_live() if self._native_live else None
         with self._buf_lock:
-            return self._buf_rows + sum(self._inflight.values()) + self._native.get("open_rows", 0)
+            native_open = (live or self._native).get("open_rows", 0)
+            return self._buf_rows + sum(self._inflight.values()) + native_open
 
     def flush(self) -> None:
         """Write everything buffered, wait for the writers and make the spool durable (fsync)."""
@@ -307,6 +310,9 @@ class SpoolSink(_BufferedSink):
 
     def native_spool_target(self) -> dict | None:
         return self.spool.native_target(self.segment_bytes)
+
+    def native_started(self, live_stats) -> None:
+        self._native_live = live_stats
 
     def native_progress(self, stats: dict, closed: list[tuple[str, int]]) -> None:
         for path, rows in closed:

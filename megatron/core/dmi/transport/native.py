@@ -299,6 +299,11 @@ class NativeRingTransport(Transport):
         in a closed, fsync'd segment."""
         return bool(self._spool.flush(float(timeout)))
 
+    def spool_stats(self) -> dict | None:
+        """The writer's live counters (None when it is not running); cheap, any thread."""
+        spool = self._spool
+        return None if spool is None else dict(spool.stats())
+
     def spool_progress(self) -> tuple[dict, list[tuple[str, int]]]:
         """The writer's counters, and the segments it closed since the last call (path, rows)."""
         return dict(self._spool.stats()), list(self._spool.take_closed())

@@ -102,9 +102,10 @@ def test_unflushed_segment_is_a_temporary_file_until_complete(tmp_path, ring):
     drain = Drain(ring, sink, linger_bytes=0)
     publish_many(ring, 4)
     deadline = time.monotonic() + 10
-    while ring.spool_progress()[0]["records"] < 4 and time.monotonic() < deadline:
+    while ring.spool_stats()["records"] < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert ring.spool_progress()[0]["open_rows"] == 4
+    assert ring.spool_stats()["open_rows"] == 4
+    assert drain.records_persisted == 4 and sink._unwritten_rows() == 4  # live, not as of the last relay
     names = os.listdir(sink.spool.dir)
     assert not [n for n in names if n.endswith(".dmiraw")], "an open segment has no final name"
     assert [n for n in names if n.endswith(".tmp")], names
