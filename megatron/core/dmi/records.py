@@ -167,10 +167,10 @@ def key_columns(keys: Sequence[RecordKey]) -> dict[str, pa.Array]:
     return {name: pa.array([f[name] for f in flat], type=t) for name, t in KEY_COLUMNS}
 
 
-# One record's descriptor row as the native ring hands it out (take_into, raw spool segments):
-# uint64 words in this order (csrc/dmi/spool_writer.h, kTakeWords).
 # Site id -> its static key (a list indexed by id, or a dict).
 Sites = Sequence[RecordKey] | dict[int, RecordKey]
+# One record's descriptor row as the native ring hands it out (take_into, raw spool segments):
+# uint64 words in this order (csrc/dmi/spool_writer.h, kTakeWords).
 DESCRIPTOR_COLUMNS = ("seq", "site", "iteration", "microbatch", "attempt", "phase", "invocation", "nbytes", "crc32")
 
 
