@@ -53,6 +53,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 MOE_ARMS = ("off", "router", "router_attn", "router_attn_py", "sync_cpu", "pinned", "torch_ring")
@@ -88,7 +89,8 @@ def build_model(a: argparse.Namespace, moe: bool) -> GPTModel:
 class DMIArm:
     """DMI as the training integration wires it, minus Megatron's loop: spool sink, drain, hooks."""
 
-    def __init__(self, model, hooks: str, transport: str, a, spool_root: str, native_spool: bool = True):
+    def __init__(self, model, hooks: str, transport: str, a, spool_root: str, native_spool: bool = True,
+                 clock: HookClock | None = None):
         self.config = DMIConfig(hooks=parse_hooks(hooks), ring_mb=a.ring_mb, persist="spool")
         cls = NativeRingTransport if transport == "native" else TorchRingTransport
         self.transport = cls(self.config.ring_bytes, "block", torch.device("cuda", 0))
@@ -96,7 +98,11 @@ class DMIArm:
         self.drain = Drain(self.transport, self.sink, native_spool=native_spool)
         self.capture = Capture(self.config, self.transport, self.sink.run_id, 1)
         self.hooks = HookSet(self.capture)
+        if clock:
+            clock.before_attach()
         self.hooks.attach(model)
+        if clock:
+            clock.after_attach()
         self.iteration = 0
         self.keep_spool = a.keep_spool
         self.cpu_start = thread_cpu_seconds()
@@ -132,6 +138,55 @@ class DMIArm:
                 "sink_dropped": report.records_dropped, "sink_errors": len(report.errors), "final_flush_s": flush_s,
                 "drain_batches": self.drain.batches_written, "native_spool_rounds": int(self.drain.native),
                 "dmi_thread_cpu_s": sum(dmi_cpu.values()), "arm_wall_s": wall}
+
+
+class HookClock:
+    """Host time spent in DMI's capture code per step. An eager MoE step here is host-bound (the
+    dispatcher syncs every layer), so every host microsecond of a hook is on the step's critical
+    path: this sum bounds DMI's direct cost far more tightly than step-time A/B, whose host jitter
+    (several % per step) hides differences under 1 %. Wrapped around DMI's sites (outer) and around
+    the router's own routing inside them (inner); DMI's time is outer minus inner."""
+
+    def __init__(self, model):
+        self.model = model
+        self.outer_s = self.inner_s = 0.0
+        self.calls = 0
+
+    def _clock(self, fn, outer: bool):
+        def timed_call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                if outer:
+                    self.outer_s += dt
+                    self.calls += 1
+                else:
+                    self.inner_s += dt
+        return timed_call
+
+    def routers(self):
+        return [m for m in self.model.modules() if isinstance(m, TopKRouter)]
+
+    def before_attach(self) -> None:
+        for r in self.routers():  # DMI's wrapper will call this clocked routing as its original
+            r.routing = self._clock(r.routing, outer=False)
+
+    def after_attach(self) -> None:
+        for r in self.routers():
+            r.routing = self._clock(r.routing, outer=True)
+        for m in self.model.modules():
+            if isinstance(m, TransformerLayer):
+                hooks = m.self_attention.core_attention._forward_hooks
+                for k, fn in list(hooks.items()):
+                    hooks[k] = self._clock(fn, outer=True)
+
+    def take_ms(self) -> float:
+        """DMI host ms since the last call."""
+        ms = (self.outer_s - self.inner_s) * 1000
+        self.outer_s = self.inner_s = 0.0
+        return ms
 
 
 class PlainHooks:
@@ -284,7 +339,33 @@ def run_moe(a, spool_root: str) -> tuple[dict, dict]:
         print(f"round {rnd + 1}/{a.rounds}: " + "  ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items()), flush=True)
     for arm, xs in host.items():
         totals.setdefault(arm, {})["host_enqueue_median_ms"] = statistics.median(xs)
+    for arm in ("router", "router_attn"):
+        if arm in a.arms and a.hook_clock_rounds:
+            totals[arm].update(clock_hooks(a, model, opt, ids, pos, arm, spool_root))
     return times, totals
+
+
+def clock_hooks(a, model, opt, ids, pos, arm: str, spool_root: str) -> dict:
+    """DMI's host time per step for one arm, in extra blocks outside the A/B samples (the clocks
+    themselves cost a few microseconds per call)."""
+    per_step, calls = [], 0
+    for _ in range(a.hook_clock_rounds):
+        gc.collect()
+        clock = HookClock(model)
+        dmi = DMIArm(model, "router" if arm == "router" else "router,attn", "native", a, spool_root, clock=clock)
+        for i in range(a.warmup + a.steps):
+            dmi.step()
+            timed(lambda: train_step(model, opt, ids, pos))
+            if i >= a.warmup:
+                per_step.append(clock.take_ms())
+            else:
+                clock.take_ms()
+                clock.calls = 0
+        calls += clock.calls
+        dmi.detach()
+        dmi.close()
+    return {"dmi_hook_host_ms_median": statistics.median(per_step), "dmi_hook_host_ms_samples": per_step,
+            "dmi_hook_calls_per_step": calls / len(per_step)}
 
 
 def run_graphs(a, spool_root: str) -> tuple[dict, dict]:
@@ -361,6 +442,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="tiny sizes, to check the script runs")
     p.add_argument("--skip-graphs", action="store_true")
+    p.add_argument("--hook-clock-rounds", type=int, default=3,
+                   help="extra blocks of router and router_attn with DMI's host time clocked (0: none)")
     p.add_argument("--arms", default=",".join(MOE_ARMS), help="MoE arms to run (off is always run)")
     a = p.parse_args()
     a.arms = ["off"] + [x for x in a.arms.split(",") if x and x != "off"]
@@ -411,6 +494,8 @@ def write_result(a, times: dict, totals: dict, extra: dict) -> dict:
         entry.update(totals.get(arm, {}))
         if entry.get("arm_wall_s"):
             entry["dmi_cores_used"] = entry["dmi_thread_cpu_s"] / entry["arm_wall_s"]
+        if "dmi_hook_host_ms_median" in entry:  # the direct cost on a host-bound step's critical path
+            entry["dmi_hook_host_pct_of_off"] = entry["dmi_hook_host_ms_median"] / statistics.median(base) * 100
         result["arms"][arm] = entry
     for arm in ("router_attn", "graph_dmi"):
         c = result["arms"].get(arm, {})
@@ -423,6 +508,11 @@ def write_result(a, times: dict, totals: dict, extra: dict) -> dict:
         print(f"{arm:12} {e['median_ms']:10.2f} {e['overhead_pct']:11.2f} [{e['ci95'][0]:6.2f}, {e['ci95'][1]:6.2f}]"
               f" {e['paired_overhead_pct']:9.2f} [{e['paired_ci95'][0]:6.2f}, {e['paired_ci95'][1]:6.2f}]"
               f" {e.get('persisted', '-'):>9} {e.get('dropped', '-'):>8}", flush=True)
+    for arm, e in result["arms"].items():
+        if "dmi_hook_host_ms_median" in e:
+            print(f"{arm}: DMI host time in hooks {e['dmi_hook_host_ms_median']:.3f} ms/step"
+                  f" ({e['dmi_hook_host_pct_of_off']:.3f} % of off), {e['dmi_hook_calls_per_step']:.0f} hook calls/step",
+                  flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
