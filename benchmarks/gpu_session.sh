@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 source examples/tiny_moe_args.sh
 if [ "$MODE" = bench ]; then  # the benchmark alone
   timeout ${BENCH_TIMEOUT:-480} python3 benchmarks/overhead.py --out $OUT/overhead_h200.json ${BENCH_ARGS:-} > $OUT/bench.log 2>&1
-  grep -E "^round|graph arms|^[a-z_]+ +[0-9]" $OUT/bench.log; tail -3 $OUT/bench.log
+  grep -E "^round|graph arms|^[a-z_]+ +[0-9]|^profile|DMI host time" $OUT/bench.log | tail -40; tail -3 $OUT/bench.log
   exit
 fi
 train() {  # name, extra args...

@@ -24,8 +24,10 @@ Prints a table and writes JSON:  python benchmarks/overhead.py --out results.jso
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
+import gzip
 import json
 import os
 import resource
@@ -37,6 +39,7 @@ import time
 
 import numpy as np
 import torch
+from torch.autograd import DeviceType
 
 from megatron.core import parallel_state as ps
 from megatron.core.dmi.capture import GATE_ORIGINAL, Capture
@@ -342,7 +345,14 @@ def run_moe(a, spool_root: str) -> tuple[dict, dict]:
     for arm in ("router", "router_attn"):
         if arm in a.arms and a.hook_clock_rounds:
             totals[arm].update(clock_hooks(a, model, opt, ids, pos, arm, spool_root))
-    return times, totals
+    profiles = {}
+    if a.profile_steps:
+        try:
+            profiles = profile_arms(a, model, opt, ids, pos, spool_root)
+        except Exception as exc:  # the A/B results above are kept; say what failed
+            profiles = {"error": repr(exc)}
+            print(f"profile failed: {profiles['error']}", flush=True)
+    return times, totals, profiles
 
 
 def clock_hooks(a, model, opt, ids, pos, arm: str, spool_root: str) -> dict:
@@ -366,6 +376,66 @@ def clock_hooks(a, model, opt, ids, pos, arm: str, spool_root: str) -> dict:
         dmi.close()
     return {"dmi_hook_host_ms_median": statistics.median(per_step), "dmi_hook_host_ms_samples": per_step,
             "dmi_hook_calls_per_step": calls / len(per_step)}
+
+
+def kernel_summary(prof, steps: int) -> dict:
+    """Per step: time the GPU ran any kernel or copy (union of intervals), DMI's own kernels, the
+    device-to-host copies (the ring's drain), and the heaviest kernels and host ops."""
+    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in device)
+    busy_us, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi > end:
+            busy_us += hi - max(lo, end)
+            end = hi
+    by_name: dict[str, float] = collections.Counter()
+    for e in device:
+        by_name[e.name] += e.time_range.elapsed_us()
+    per_step = lambda us: us / 1000 / steps  # noqa: E731
+    host = sorted(prof.key_averages(), key=lambda k: k.self_cpu_time_total, reverse=True)[:12]
+    return {
+        "device_busy_ms_per_step": per_step(busy_us),
+        "dmi_kernel_ms_per_step": per_step(sum(v for k, v in by_name.items() if k.startswith("dmi_"))),
+        "dtoh_copy_ms_per_step": per_step(sum(v for k, v in by_name.items() if "DtoH" in k)),
+        "top_device_ms_per_step": {k: per_step(v) for k, v in by_name.most_common(12)},
+        "top_host_self_ms_per_step": {k.key: per_step(k.self_cpu_time_total) for k in host},
+    }
+
+
+def profile_arms(a, model, opt, ids, pos, spool_root: str) -> dict:
+    """torch.profiler over a few steps of off and router_attn: how much of the step the GPU is busy
+    (host-bound when well under 100 %) and what DMI's kernels and copies cost on the device."""
+    out_dir = os.path.dirname(os.path.abspath(a.out)) if a.out else None
+    result = {}
+    for arm in ("off", "router_attn"):
+        gc.collect()
+        dmi = DMIArm(model, "router,attn", "native", a, spool_root) if arm != "off" else None
+        for _ in range(a.warmup + 1):
+            if dmi:
+                dmi.step()
+            timed(lambda: train_step(model, opt, ids, pos))
+        step_ms = []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(a.profile_steps):
+                if dmi:
+                    dmi.step()
+                step_ms.append(timed(lambda: train_step(model, opt, ids, pos)))
+        if dmi:
+            dmi.detach()
+            dmi.close()
+        result[arm] = {"step_ms_under_profiler": step_ms, **kernel_summary(prof, a.profile_steps)}
+        result[arm]["device_busy_pct"] = result[arm]["device_busy_ms_per_step"] / statistics.median(step_ms) * 100
+        if out_dir:
+            trace = os.path.join(out_dir, f"profile_{arm}.json")
+            prof.export_chrome_trace(trace)
+            with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as g:
+                shutil.copyfileobj(f, g)
+            os.remove(trace)
+        print(f"profile {arm}: step {statistics.median(step_ms):.1f} ms, GPU busy"
+              f" {result[arm]['device_busy_ms_per_step']:.1f} ms, DMI kernels {result[arm]['dmi_kernel_ms_per_step']:.3f} ms,"
+              f" DtoH copies {result[arm]['dtoh_copy_ms_per_step']:.2f} ms per step", flush=True)
+    return result
 
 
 def run_graphs(a, spool_root: str) -> tuple[dict, dict]:
@@ -442,6 +512,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="tiny sizes, to check the script runs")
     p.add_argument("--skip-graphs", action="store_true")
+    p.add_argument("--profile-steps", type=int, default=2,
+                   help="steps of off and router_attn under torch.profiler after the rounds (0: none);"
+                        " traces go next to --out")
     p.add_argument("--hook-clock-rounds", type=int, default=3,
                    help="extra blocks of router and router_attn with DMI's host time clocked (0: none)")
     p.add_argument("--arms", default=",".join(MOE_ARMS), help="MoE arms to run (off is always run)")
@@ -459,11 +532,12 @@ def main() -> None:
     jit_first_s = time.perf_counter() - t0
     cpu0 = thread_cpu_seconds()
     wall0 = time.perf_counter()
-    times, totals = run_moe(a, os.path.join(a.spool, "moe"))
+    times, totals, profiles = run_moe(a, os.path.join(a.spool, "moe"))
     moe_wall = time.perf_counter() - wall0
     cpu1 = thread_cpu_seconds()
     extra = {"jit_first_construct_s": jit_first_s, "moe_phase_wall_s": moe_wall,
-             "thread_cpu_s_during_moe": {k: cpu1.get(k, 0) - cpu0.get(k, 0) for k in cpu1}, "graph_error": None}
+             "thread_cpu_s_during_moe": {k: cpu1.get(k, 0) - cpu0.get(k, 0) for k in cpu1}, "graph_error": None,
+             "profile": profiles}
     write_result(a, times, totals, extra)  # the MoE arms are kept even if the graph arms run out of time
     if not a.skip_graphs:
         try:
