@@ -395,7 +395,7 @@ def kernel_summary(prof, steps: int) -> dict:
     host = sorted(prof.key_averages(), key=lambda k: k.self_cpu_time_total, reverse=True)[:12]
     return {
         "device_busy_ms_per_step": per_step(busy_us),
-        "dmi_kernel_ms_per_step": per_step(sum(v for k, v in by_name.items() if k.startswith("dmi_"))),
+        "dmi_kernel_ms_per_step": per_step(sum(v for k, v in by_name.items() if "dmi::" in k)),
         "dtoh_copy_ms_per_step": per_step(sum(v for k, v in by_name.items() if "DtoH" in k)),
         "top_device_ms_per_step": {k: per_step(v) for k, v in by_name.most_common(12)},
         "top_host_self_ms_per_step": {k.key: per_step(k.self_cpu_time_total) for k in host},
