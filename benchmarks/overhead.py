@@ -137,6 +137,7 @@ class DMIArm:
             shutil.rmtree(self.sink.spool_root, ignore_errors=True)
         s = self.transport.stats
         return {"published": s.published, "published_bytes": s.published_bytes, "dropped": s.dropped,
+                "blocked": s.blocked, "blocked_seconds": s.blocked_seconds,
                 "persisted": report.records_written, "persisted_bytes": report.bytes_written,
                 "sink_dropped": report.records_dropped, "sink_errors": len(report.errors), "final_flush_s": flush_s,
                 "drain_batches": self.drain.batches_written, "native_spool_rounds": int(self.drain.native),

@@ -114,6 +114,8 @@ inline py::dict shared_stats(RingCore& core) {
   r["dropped_bytes"] = load_acquire(&s->dropped_bytes);
   r["rejected"] = load_acquire(&s->rejected);
   r["timeouts"] = load_acquire(&s->timeouts);
+  r["blocked"] = load_acquire(&s->blocked);
+  r["blocked_ns"] = load_acquire(&s->blocked_ns);
   r["head"] = load_acquire(&s->head);
   r["tail"] = load_acquire(&s->tail);
   r["desc_tail"] = load_acquire(&s->desc_tail);

@@ -13,7 +13,8 @@
 // Backpressure (on_full):
 //   * drop: no space -> count `dropped` / `dropped_bytes` and publish nothing.
 //   * block: the reserve thread polls the drain's `tail` words (mapped host memory, read with
-//     ld.acquire.sys) with __nanosleep until the record fits.
+//     ld.acquire.sys) with __nanosleep until the record fits; the wait is counted (`blocked`,
+//     `blocked_ns`), since it stalls the training stream.
 // Why block cannot deadlock the drain: freeing ring space depends only on the host drain thread
 // and the copy engine. The drain discovers descriptors in mapped host memory (no device sync, no
 // kernel), copies on its own non-blocking stream (no dependency on the producer's stream or the
@@ -83,6 +84,12 @@ __global__ void dmi_reserve(DevRing r, uint64_t nbytes, uint32_t site, uint32_t 
         break;
       }
       __nanosleep(iter < 64 ? 256 : 4000);
+    }
+    if (t0 != 0) {  // waited for space: the training stream stood still this long
+      vc->blocked = vc->blocked + 1;
+      vc->blocked_ns = vc->blocked_ns + (globaltimer_ns() - t0);
+      st_volatile(&r.shared->blocked, vc->blocked);
+      st_volatile(&r.shared->blocked_ns, vc->blocked_ns);
     }
     if (ok) {
       const uint64_t seq = vc->seq;

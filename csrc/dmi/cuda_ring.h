@@ -30,6 +30,8 @@ struct DevCtrl {
   uint64_t dropped_bytes;
   uint64_t rejected;
   uint64_t timeouts;
+  uint64_t blocked_ns;
+  uint64_t blocked;
   int32_t lock;   // producer spin lock (reservation order == sequence order)
   int32_t gate;   // int32 device gate, set by the host before each step / graph replay
   int64_t ctx[kCtxWords];  // context block: iteration, microbatch, attempt, phase, invocation

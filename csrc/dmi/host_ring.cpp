@@ -70,6 +70,14 @@ class HostRing : public RingCore {
     const uint64_t span = align_up(nbytes, kSlotAlign);
     uint64_t vstart = 0;
     auto t0 = std::chrono::steady_clock::now();
+    bool waited = false;
+    // Counted on every way out of the wait: the producer's thread stood still this long.
+    auto count_wait = [&] {
+      if (!waited) return;
+      bump(&shared_->blocked, 1);
+      bump(&shared_->blocked_ns, static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                            std::chrono::steady_clock::now() - t0).count()));
+    };
     for (;;) {
       uint64_t tail = load_acquire(&shared_->tail);
       uint64_t dtail = load_acquire(&shared_->desc_tail);
@@ -79,8 +87,9 @@ class HostRing : public RingCore {
         bump(&shared_->dropped_bytes, nbytes);
         return kDropped;
       }
-      double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (waited > block_timeout_s_) {
+      waited = true;
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > block_timeout_s_) {
+        count_wait();
         bump(&shared_->dropped, 1);
         bump(&shared_->dropped_bytes, nbytes);
         bump(&shared_->timeouts, 1);
@@ -90,6 +99,7 @@ class HostRing : public RingCore {
       std::unique_lock<std::mutex> sl(space_mu_);
       space_cv_.wait_for(sl, std::chrono::microseconds(200));
     }
+    count_wait();
     const uint64_t seq = seq_++;
     head_ = vstart + span;
     const uint64_t off = vstart % cap_;

@@ -80,7 +80,9 @@ struct alignas(64) Shared {
   uint64_t dropped_bytes;
   uint64_t rejected;    // refused by the gate: nothing published, nothing consumed
   uint64_t timeouts;    // block mode gave up after block_timeout (counted in dropped as well)
-  uint64_t pad1;
+  uint64_t blocked_ns;  // block mode: time producers waited for space (backpressure on training)
+  uint64_t blocked;     // block mode: records whose producer had to wait
+  uint64_t pad1[7];
 };
 
 DMI_HD uint64_t align_up(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }

@@ -212,6 +212,7 @@ class DMIRuntime:
             f" dropped: {t.dropped} | drain lag: {self.drain.lag_records} records |"
             f" persisted: {self.drain.records_persisted} records | {store} |"
             f" replays rejected: {self.capture.stats.replays_rejected} |"
+            + (f" waited for ring space: {t.blocked_seconds:.2f} s ({t.blocked} records) |" if t.blocked else "")
         )
 
     def _patch_training_loop(self) -> None:
@@ -264,6 +265,8 @@ class DMIRuntime:
             f"rank {self.coords.rank}: captured {t.published} records ({t.published_bytes} B), "
             f"written {report.records_written} ({report.bytes_written} B), spooled {report.records_spooled}, "
             f"dropped {t.dropped + report.records_dropped}, replays rejected {self.capture.stats.replays_rejected}"
+            + (f", waited for ring space {t.blocked_seconds:.2f} s ({t.blocked} records): raise --dmi-ring-mb"
+               " or see docs/troubleshooting.md" if t.blocked else "")
             + (f", errors: {'; '.join(report.errors)}" if report.errors else "")
         )
         lines = [line]

@@ -36,7 +36,8 @@ class TransportStats:
     rejected: int = 0  # occurrences refused by the gate (not captured, not counted as drops)
     drained: int = 0
     drained_bytes: int = 0
-    blocked_seconds: float = 0.0
+    blocked: int = 0  # on_full=block: records whose producer waited for ring space
+    blocked_seconds: float = 0.0  # ... and how long, in total: training stood still that long
 
     @property
     def in_flight(self) -> int:

@@ -118,7 +118,6 @@ class NativeRingTransport(Transport):
         self.blobs = BlobPool(min(self.staging_bytes, self.TAKE_BUFFER_BYTES))
         self._spool = None  # the native spool writer, when it is the consumer (start_spool)
         self._ctx = (0, 0, 0, 0, 0)  # host copy of the context block (iteration, mb, attempt, phase, inv)
-        self._blocked_seconds = 0.0
         self._closed = False
         self._last_stats = TransportStats()
         from megatron.core.dmi.transport import ops  # registers the custom op
@@ -148,7 +147,8 @@ class NativeRingTransport(Transport):
             rejected=s["rejected"],
             drained=s["taken"],
             drained_bytes=s["taken_bytes"],
-            blocked_seconds=self._blocked_seconds,
+            blocked=s["blocked"],
+            blocked_seconds=s["blocked_ns"] / 1e9,
         )
         return self._last_stats
 
@@ -266,15 +266,7 @@ class NativeRingTransport(Transport):
         if self.device.type == "cuda":
             self._ring.publish(ptr, nbytes, site_id, mask, torch.cuda.current_stream(self.device).cuda_stream, ctx)
             return True
-        if self.on_full == "block":
-            t0 = time.perf_counter()
-            res = self._ring.publish(ptr, nbytes, site_id, mask, ctx)
-            dt = time.perf_counter() - t0
-            if dt > 1e-4:
-                self._blocked_seconds += dt
-        else:
-            res = self._ring.publish(ptr, nbytes, site_id, mask, ctx)
-        return res == 1
+        return self._ring.publish(ptr, nbytes, site_id, mask, ctx) == 1
 
     # ------------------------------------------------------------------ native spool
     def start_spool(self, directory: str, header: dict, first_seq: int, segment_bytes: int, linger_bytes: int,

@@ -70,6 +70,7 @@ class TorchRingTransport(Transport):
                 while slot is None:
                     self._cv.wait()
                     slot = self._reserve(nbytes)
+                self.stats.blocked += 1
                 self.stats.blocked_seconds += time.perf_counter() - t0
             if slot is None:
                 self.stats.dropped += 1

@@ -149,6 +149,7 @@ def test_full_ring_in_block_mode_waits_for_the_consumer():
     assert all(torch.equal(rec.tensor(), slot_tensor(i)) for i, rec in enumerate(got))
     s = r.stats
     assert (s.published, s.dropped) == (n, 0) and s.blocked_seconds > 0.1
+    assert 1 <= s.blocked <= n - 2  # the first two fit the empty ring without waiting
 
 
 def test_block_mode_gives_up_after_the_timeout_and_counts_a_drop():
@@ -160,6 +161,7 @@ def test_block_mode_gives_up_after_the_timeout_and_counts_a_drop():
     assert not r.publish(key_for(slot_tensor(2), 2), slot_tensor(2))
     assert 0.15 < time.perf_counter() - t0 < 5
     assert r.ring_state()["timeouts"] == 1 and r.stats.dropped == 1
+    assert r.stats.blocked == 1 and 0.15 < r.stats.blocked_seconds < 5  # the wait is counted, drop or not
     assert [rec.key.iteration for rec in r.drain_all()] == [0, 1]
 
 
