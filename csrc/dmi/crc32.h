@@ -44,4 +44,31 @@ inline uint32_t crc32(const uint8_t* p, size_t n) {
   return ~crc;
 }
 
+// Product of two polynomials modulo the CRC polynomial, in the reflected bit order CRCs use
+// (bit 31 is x^0).
+inline uint32_t crc32_mulmod(uint32_t a, uint32_t b) {
+  uint32_t product = 0;
+  for (uint32_t bit = 1u << 31; bit; bit >>= 1) {
+    if (a & bit) product ^= b;
+    b = (b & 1) ? (b >> 1) ^ 0xEDB88320u : b >> 1;  // b *= x
+  }
+  return product;
+}
+
+// x^(8 * nbytes) modulo the polynomial, by squaring: appending nbytes of data to a message
+// multiplies its CRC register by this.
+inline uint32_t crc32_shift(uint64_t nbytes) {
+  uint32_t result = 1u << 31;  // x^0
+  uint32_t power = 1u << 23;   // x^8: one byte
+  for (; nbytes; nbytes >>= 1, power = crc32_mulmod(power, power))
+    if (nbytes & 1) result = crc32_mulmod(result, power);
+  return result;
+}
+
+// CRC of A followed by B from crc32(A), crc32(B) and B's length, so one large record can be
+// checksummed in pieces on several threads.
+inline uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  return crc32_mulmod(crc32_shift(len_b), crc_a) ^ crc_b;
+}
+
 }  // namespace dmi

@@ -86,6 +86,25 @@ def test_drain_uses_the_native_writer_and_everything_reads_back(tmp_path, ring):
     check_rows(tensor_rows(str(tmp_path)), sent)
 
 
+def test_large_records_are_checksummed_in_pieces_like_zlib(tmp_path):
+    """Records above the writer's 4 MiB checksum piece (and a batch large enough for several
+    threads) carry the CRC zlib gives the whole payload."""
+    t = NativeRingTransport(64 << 20, "block", "cpu")
+    sink = SpoolSink("run-n", ParallelCoords(rank=3), str(tmp_path))
+    drain = Drain(t, sink)
+    assert drain.native
+    sent = {}
+    for i, rows in enumerate((4 << 20 >> 2, (9 << 20) // 12 + 5, 1, 0, (17 << 20) // 12)):  # 4 MiB, 9 MiB+, ..., 17 MiB
+        x = torch.randn(rows, 3)
+        k = key(i, x)
+        assert t.publish(k, x)
+        sent[(k.iteration, k.microbatch, k.layer, k.invocation)] = (k, x)
+    drain.close()
+    t.close()
+    assert sink.close().records_written == len(sent)
+    check_rows(tensor_rows(str(tmp_path)), sent)
+
+
 def test_python_consumer_still_available(tmp_path, ring):
     sink = SpoolSink("run-n", ParallelCoords(rank=3), str(tmp_path))
     drain = Drain(ring, sink, native_spool=False)
