@@ -123,6 +123,7 @@ class DMIArm:
         t0 = time.perf_counter()
         self.drain.flush()
         flush_s = time.perf_counter() - t0
+        writer = self.transport.spool_stats() if self.drain.native else None
         # CPU of DMI's threads over this arm, sampled before they exit: the Python drain and spool
         # writers by name; "native" (unnamed C++ threads: the ring's drain, checksum helpers, and
         # NCCL's, idle on one GPU) as a delta.
@@ -141,7 +142,11 @@ class DMIArm:
                 "persisted": report.records_written, "persisted_bytes": report.bytes_written,
                 "sink_dropped": report.records_dropped, "sink_errors": len(report.errors), "final_flush_s": flush_s,
                 "drain_batches": self.drain.batches_written, "native_spool_rounds": int(self.drain.native),
-                "dmi_thread_cpu_s": sum(dmi_cpu.values()), "arm_wall_s": wall}
+                "dmi_thread_cpu_s": sum(dmi_cpu.values()), "arm_wall_s": wall,
+                # the C++ writer's wall time in checksums, page-cache writes and fsyncs: next to
+                # arm_wall_s it says how close the writer runs to falling behind capture
+                **({f"writer_{k[:-3]}_s": writer[k] / 1e9 for k in ("checksum_ns", "write_ns", "sync_ns")}
+                   if writer else {})}
 
 
 class HookClock:
@@ -569,6 +574,8 @@ def write_result(a, times: dict, totals: dict, extra: dict) -> dict:
         entry.update(totals.get(arm, {}))
         if entry.get("arm_wall_s"):
             entry["dmi_cores_used"] = entry["dmi_thread_cpu_s"] / entry["arm_wall_s"]
+        if entry.get("writer_write_s") is not None:
+            entry["writer_busy_fraction"] = (entry["writer_checksum_s"] + entry["writer_write_s"]) / entry["arm_wall_s"]
         if "dmi_hook_host_ms_median" in entry:  # the direct cost on a host-bound step's critical path
             entry["dmi_hook_host_pct_of_off"] = entry["dmi_hook_host_ms_median"] / statistics.median(base) * 100
         result["arms"][arm] = entry

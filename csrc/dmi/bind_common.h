@@ -229,6 +229,9 @@ void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) 
         d["dropped_bytes"] = s.dropped_bytes;
         d["segments"] = s.segments;
         d["open_rows"] = s.open_rows;
+        d["checksum_ns"] = s.checksum_ns;
+        d["write_ns"] = s.write_ns;
+        d["sync_ns"] = s.sync_ns;
         d["errors"] = s.errors;
         return d;
       });

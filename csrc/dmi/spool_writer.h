@@ -82,8 +82,16 @@ struct SpoolStats {
   uint64_t dropped_records = 0, dropped_bytes = 0;  // lost to write errors
   uint64_t segments = 0;                            // closed segments
   uint64_t open_rows = 0;                           // rows in the segment being written
+  // Where the writer's time goes (wall ns): checksums, writes into the page cache, fsyncs at
+  // flushes. Their sum over elapsed time says how close the writer is to falling behind capture.
+  uint64_t checksum_ns = 0, write_ns = 0, sync_ns = 0;
   std::vector<std::string> errors;
 };
+
+inline uint64_t elapsed_ns(std::chrono::steady_clock::time_point since) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - since).count());
+}
 
 class SpoolThread {
  public:
@@ -229,7 +237,9 @@ class SpoolThread {
       payload += lens[i];
     }
     std::vector<uint32_t> crc;
+    auto t0 = std::chrono::steady_clock::now();
     checksum_spans(ptrs, lens, crc);
+    const uint64_t checksum_ns = elapsed_ns(t0);
     if (fd_ < 0 && !open_segment()) {
       error(std::to_string(rows) + " record(s) could not be spooled; those rows are DROPPED");
       return drop(rows, payload);
@@ -261,7 +271,14 @@ class SpoolThread {
       if (lens[i]) iov.push_back({const_cast<uint8_t*>(ptrs[i]), lens[i]});
     if (pad8(payload)) iov.push_back({const_cast<char*>(zeros), pad8(payload)});
     uint64_t good = file_bytes_;
-    if (!write_iov(iov)) {
+    t0 = std::chrono::steady_clock::now();
+    const bool written = write_iov(iov);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stats_.checksum_ns += checksum_ns;
+      stats_.write_ns += elapsed_ns(t0);
+    }
+    if (!written) {
       error("cannot write " + std::to_string(rows) + " record(s) to spool segment " + tmp_ + " (" + why(errno) +
             "); those rows are DROPPED, the segment keeps what it had");
       drop(rows, payload);
@@ -326,6 +343,7 @@ class SpoolThread {
   // fsync the segments closed since the last flush, then the folder (a segment already ingested
   // and deleted needs nothing).
   void sync_closed() {
+    auto t0 = std::chrono::steady_clock::now();
     for (const std::string& path : unsynced_) {
       int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
       if (fd < 0) continue;
@@ -340,6 +358,8 @@ class SpoolThread {
       }
     }
     unsynced_.clear();
+    std::lock_guard<std::mutex> g(mu_);
+    stats_.sync_ns += elapsed_ns(t0);
   }
 
   bool write_iov(std::vector<iovec>& iov) {

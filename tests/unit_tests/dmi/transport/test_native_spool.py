@@ -99,6 +99,9 @@ def test_large_records_are_checksummed_in_pieces_like_zlib(tmp_path):
         k = key(i, x)
         assert t.publish(k, x)
         sent[(k.iteration, k.microbatch, k.layer, k.invocation)] = (k, x)
+    drain.flush()
+    busy = t.spool_stats()  # where the writer's time went, for telling whether it keeps pace
+    assert busy["checksum_ns"] > 0 and busy["write_ns"] > 0 and busy["sync_ns"] > 0
     drain.close()
     t.close()
     assert sink.close().records_written == len(sent)
