@@ -7,6 +7,8 @@ for a block of steps, timed with CUDA events:
   router       --dmi-hooks router, native ring, spooled by its C++ writer (everything persisted)
   router_attn  --dmi-hooks router,attn, native ring, spooled by its C++ writer
   router_attn_py  the same with the Python consumer (take_table + Parquet writer threads)
+  router_attn_shm  router_attn spooled to /dev/shm (memory: no disk writeback, fsync is free), to
+               tell the disk's share of (c)'s cost from the rest of the persist path
   sync_cpu     plain forward hooks doing synchronous .cpu() of the same tensors
   pinned       plain forward hooks copying to pinned buffers on a side stream (persists nothing)
   torch_ring   router,attn through DMI's pure-PyTorch transport, spooled
@@ -59,7 +61,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-MOE_ARMS = ("off", "router", "router_attn", "router_attn_py", "sync_cpu", "pinned", "torch_ring")
+MOE_ARMS = ("off", "router", "router_attn", "router_attn_py", "router_attn_shm", "sync_cpu", "pinned", "torch_ring")
+SHM_SPOOL = "/dev/shm/dmi_bench_spool"
 GRAPH_ARMS = ("graph_off", "graph_dmi")
 GRAPH_HOOKS = "attn"
 
@@ -322,9 +325,10 @@ def run_moe(a, spool_root: str) -> tuple[dict, dict]:
         for arm in a.arms[first:] + a.arms[:first]:
             gc.collect()  # the previous arm's garbage is collected here, not inside a timed step
             dmi = plain = None
-            if arm in ("router", "router_attn", "router_attn_py", "torch_ring"):
+            if arm in ("router", "router_attn", "router_attn_py", "router_attn_shm", "torch_ring"):
                 hooks = "router" if arm == "router" else "router,attn"
-                dmi = DMIArm(model, hooks, "torch" if arm == "torch_ring" else "native", a, spool_root,
+                dmi = DMIArm(model, hooks, "torch" if arm == "torch_ring" else "native", a,
+                             SHM_SPOOL if arm == "router_attn_shm" else spool_root,
                              native_spool=arm != "router_attn_py")
             elif arm in ("sync_cpu", "pinned"):
                 plain = PlainHooks(model, arm)
