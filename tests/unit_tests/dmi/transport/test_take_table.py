@@ -2,6 +2,7 @@
 checksums), as one Arrow table over pooled buffers."""
 
 import gc
+import zlib
 
 import pytest
 import torch
@@ -164,4 +165,23 @@ def test_drain_lingers_but_flush_is_prompt(tmp_path):
     assert time.perf_counter() - t0 < 2.5 and drain.records_persisted == 5
     drain.close()
     assert sink.close().records_written == 5
+    r.close()
+
+
+def test_checksums_equal_zlib_for_every_length_around_the_fast_path():
+    """The C++ CRC-32 takes carry-less multiplication from 64 bytes up (64-byte and 16-byte folds,
+    then a byte tail) and tables below: every length across those boundaries matches zlib."""
+    r = NativeRingTransport(4 << 20, "block", CPU)
+    g = torch.Generator().manual_seed(3)
+    lengths = list(range(0, 300)) + [1023, 1024, 1025, 4096 + 13, (1 << 20) + 7]
+    sent = []
+    for i, n in enumerate(lengths):
+        t = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+        assert r.publish(key_for(t, iteration=i + 1), t)
+        sent.append(t)
+    r.sync_drain()
+    rows = []
+    while r.pending():
+        rows += r.take_table(1000, 1.0).select(["checksum"]).to_pylist()
+    assert [row["checksum"] for row in rows] == [zlib.crc32(t.numpy().tobytes()) for t in sent]
     r.close()
