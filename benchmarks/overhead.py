@@ -4,6 +4,8 @@ A megatron-core MoE GPT (local spec, bf16) trains with a fused AdamW; each round
 for a block of steps, timed with CUDA events:
 
   off          DMI off
+  off_again    DMI off again, a block of its own (an A/A control): how far two identical arms land
+               apart in this benchmark, the floor under which an overhead cannot be told from zero
   router       --dmi-hooks router, native ring, spooled by its C++ writer (everything persisted)
   router_attn  --dmi-hooks router,attn, native ring, spooled by its C++ writer
   router_attn_py  the same with the Python consumer (take_table + Parquet writer threads)
@@ -61,7 +63,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-MOE_ARMS = ("off", "router", "router_attn", "router_attn_py", "router_attn_shm", "sync_cpu", "pinned", "torch_ring")
+MOE_ARMS = ("off", "off_again", "router", "router_attn", "router_attn_py", "router_attn_shm", "sync_cpu", "pinned", "torch_ring")
 SHM_SPOOL = "/dev/shm/dmi_bench_spool"
 GRAPH_ARMS = ("graph_off", "graph_dmi")
 GRAPH_HOOKS = "attn"

@@ -7,6 +7,7 @@
 
 #include "bind_common.h"
 #include "cuda_ring.h"
+#include "router_select.h"
 
 namespace dmi {
 
@@ -152,12 +153,31 @@ class CudaRing : public RingCore {
   std::atomic<uint64_t> ticket_{0};
 };
 
+// Pointers and sizes come from the Python side (hooks/router.py), which checks devices, dtypes,
+// contiguity and the kernel's limits before calling.
+void router_select(uintptr_t probs, uintptr_t routing_map, uintptr_t pre_probs, uintptr_t pre_map, int64_t tokens,
+                   int experts, int k, int dtype, uintptr_t ids, uintptr_t weights, uintptr_t counts, uintptr_t stream) {
+  if (k < 1 || k > kRouterSelectMaxK || k > experts) throw std::invalid_argument("router_select: top-k out of range");
+  if (experts < 1 || experts > kRouterSelectMaxExperts) throw std::invalid_argument("router_select: expert count out of range");
+  if (dtype < 0 || dtype > 2) throw std::invalid_argument("router_select: unknown dtype code");
+  RouterSelectArgs a{reinterpret_cast<const void*>(probs), reinterpret_cast<const bool*>(routing_map),
+                     reinterpret_cast<const void*>(pre_probs), reinterpret_cast<const bool*>(pre_map), tokens, experts,
+                     k, static_cast<RouterDtype>(dtype), reinterpret_cast<int32_t*>(ids),
+                     reinterpret_cast<void*>(weights), reinterpret_cast<int32_t*>(counts)};
+  check(launch_router_select(a, reinterpret_cast<cudaStream_t>(stream)), "router_select launch");
+}
+
 }  // namespace dmi
 
 using dmi::CudaRing;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Megatron-DMI ring, CUDA build (device payload ring, producer kernels, copy-engine drain)";
+  m.def("router_select", &dmi::router_select, py::arg("probs"), py::arg("routing_map"), py::arg("pre_probs"),
+        py::arg("pre_map"), py::arg("tokens"), py::arg("experts"), py::arg("k"), py::arg("dtype"), py::arg("ids"),
+        py::arg("weights"), py::arg("counts"), py::arg("stream"));
+  m.attr("ROUTER_SELECT_MAX_K") = dmi::kRouterSelectMaxK;
+  m.attr("ROUTER_SELECT_MAX_EXPERTS") = dmi::kRouterSelectMaxExperts;
   py::class_<CudaRing> cls(m, "CudaRing");
   dmi::bind_ring_common(m, cls, "cuda");
   cls

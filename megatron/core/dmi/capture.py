@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import ParallelCoords, RecordKey, dtype_name
-from megatron.core.dmi.transport.base import Transport
+from megatron.core.dmi.records import SITE_FIRING, Firing, ParallelCoords, RecordKey, dtype_name
+from megatron.core.dmi.transport.base import Transport, capturing_graph
 
 
 # Device gate bits (native transport): a producer captured into a CUDA graph publishes on replay
@@ -22,10 +22,6 @@ from megatron.core.dmi.transport.base import Transport
 # inside backward (recompute replays) carry GATE_REPLAY, which the gate never opens.
 GATE_ORIGINAL = 1
 GATE_REPLAY = 2
-
-
-def capturing_graph() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def in_graph_warmup() -> bool:
@@ -83,6 +79,8 @@ class Capture:
         # Originals awaiting their replay, per (layer, output, vpp): backward replays a chunk's
         # microbatches in the order their forwards ran, so a FIFO recovers the replay's microbatch.
         self._awaiting_replay: dict[tuple, collections.deque[int]] = collections.defaultdict(collections.deque)
+        # (output, layer, coords, placement, dtype, shape) -> (site key, transport handle), made once
+        self._sites: dict[tuple, tuple[RecordKey, object]] = {}
 
     def begin_step(self, phase: str, iteration: int) -> None:
         self.step = StepContext(phase, iteration, 0, self.config.captures_iteration(phase, iteration))
@@ -113,27 +111,35 @@ class Capture:
             self.stats.replays_recorded += 1
         elif self.config.record_replays:
             replay_queue.append(microbatch)
-        key = self._key(output, layer, coords, tensor, where, microbatch, invocation)
-        if self.transport.publish(key, tensor):
+        site, handle = self._site(output, layer, coords, tensor, where)
+        firing = Firing(self.step.iteration, microbatch, self.attempt, self.step.phase, invocation)
+        if self.transport.publish_firing(handle, tensor, firing):
             return True
-        self.stats.dropped_keys.append(key)
+        self.stats.dropped_keys.append(site.fired(firing))
         return False
 
     def _publish_in_graph(self, output, layer, coords, tensor, where) -> bool:
         """Enqueue a device-gated producer; iteration/microbatch come from the device context
         block that the runtime sets before each replay (see DMIRuntime.before_forward)."""
-        site = self.transport.register_site(self._key(output, layer, coords, tensor, where, 0, 0))
+        _, site = self._site(output, layer, coords, tensor, where)
         mask = GATE_REPLAY if inside_backward() else GATE_ORIGINAL
         return self.transport.publish_site(site, tensor, mask=mask)
 
-    def _key(self, output, layer, coords, tensor, where, microbatch: int, invocation: int) -> RecordKey:
+    def _site(self, output, layer, coords, tensor, where) -> tuple[RecordKey, object]:
+        """A capture site's key and transport handle, made on its first firing: hooks fire every
+        microbatch, and building and hashing a full key each time costs host time that an eager
+        MoE step (host-bound) pays in step time."""
+        cache_key = (output, layer, coords, where, tensor.dtype, tensor.shape)
+        entry = self._sites.get(cache_key)
+        if entry is None:
+            site = self._site_key(output, layer, coords, tensor, where)
+            entry = self._sites[cache_key] = (site, self.transport.site_handle(site))
+        return entry
+
+    def _site_key(self, output, layer, coords, tensor, where) -> RecordKey:
         return RecordKey(
             run_id=self.run_id,
-            phase=self.step.phase,
-            iteration=self.step.iteration,
-            attempt=self.attempt,
-            microbatch=microbatch,
-            invocation=invocation,
+            **SITE_FIRING._asdict(),
             layer=layer,
             output=output,
             coords=coords,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -38,6 +38,20 @@ def dtype_name(dtype: torch.dtype) -> str:
         return NAME_BY_DTYPE[dtype]
     except KeyError:
         raise TypeError(f"DMI cannot capture tensors of dtype {dtype}") from None
+
+
+class Firing(NamedTuple):
+    """The part of a key that changes with every firing of one capture site; the rest is the
+    site's own (``RecordKey.site``), fixed for the run."""
+
+    iteration: int
+    microbatch: int
+    attempt: int
+    phase: str
+    invocation: int
+
+
+SITE_FIRING = Firing(0, 0, 0, PHASES[0], 0)
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,18 @@ class RecordKey:
     def nbytes(self) -> int:
         n = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
         return n * torch.empty((), dtype=DTYPE_BY_NAME[self.dtype]).element_size()
+
+    def site(self) -> "RecordKey":
+        """The site's key: this key with the firing fields at their defaults."""
+        return dataclasses.replace(self, **SITE_FIRING._asdict())
+
+    @property
+    def firing(self) -> Firing:
+        return Firing(self.iteration, self.microbatch, self.attempt, self.phase, self.invocation)
+
+    def fired(self, firing: Firing) -> "RecordKey":
+        """This (site) key with the fields of one firing."""
+        return dataclasses.replace(self, **firing._asdict())
 
     def flat(self) -> dict:
         """Column values for the tables (coords flattened into their own columns)."""

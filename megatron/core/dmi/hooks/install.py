@@ -109,15 +109,15 @@ def _router_site(hooks: HookSet, router: TopKRouter, layer: int, coords: Paralle
         where = Placement(start, start + n, n * shards)
         values: dict[str, Callable[[], torch.Tensor]] = {
             "router.logits": lambda: flat_logits,
-            "router.topk_ids": lambda: topk()[0],
-            "router.topk_probs": lambda: topk()[1],
-            "router.expert_counts": lambda: router_capture.expert_counts(routing_map, pre_map),
+            "router.topk_ids": lambda: selection()[0],
+            "router.topk_probs": lambda: selection()[1],
+            "router.expert_counts": lambda: selection()[2],
         }
         cached = {}
 
-        def topk():
+        def selection():
             if "v" not in cached:
-                cached["v"] = router_capture.topk_view(probs, routing_map, pre_probs, pre_map, router.topk)
+                cached["v"] = router_capture.select(probs, routing_map, pre_probs, pre_map, router.topk)
             return cached["v"]
 
         with torch.no_grad():

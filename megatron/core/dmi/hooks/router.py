@@ -14,6 +14,8 @@ import torch
 
 import megatron.core.transformer.moe.router as mcore_router
 
+from megatron.core.dmi.transport import jit
+
 _pre_drop = threading.local()
 _original_token_dropping = mcore_router.apply_router_token_dropping
 
@@ -39,10 +41,59 @@ def take_pre_drop() -> tuple[torch.Tensor, torch.Tensor] | None:
     return sel
 
 
+_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def select(
+    probs: torch.Tensor, routing_map: torch.Tensor, pre_probs: torch.Tensor, pre_map: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(topk ids, topk weights, expert counts): ``topk_view`` and ``expert_counts`` in one go.
+
+    On a GPU where this process loaded DMI's CUDA build (the native transport does), one fused
+    kernel (csrc/dmi/router_select.cu) computes all three: a memset and one launch instead of
+    about twenty, which counts in an eager MoE step, where the host is the bottleneck. Elsewhere,
+    and beyond the kernel's limits, the torch reference below; both give the same bits.
+    """
+    kernels = jit.loaded("cuda")
+    if kernels is not None and _kernel_takes(kernels, probs, routing_map, pre_probs, pre_map, topk):
+        return _select_on_device(kernels, probs, routing_map, pre_probs, pre_map, topk)
+    ids, weights = topk_view(probs, routing_map, pre_probs, pre_map, topk)
+    return ids, weights, expert_counts(routing_map, pre_map)
+
+
+def _kernel_takes(kernels, probs, routing_map, pre_probs, pre_map, topk: int) -> bool:
+    tensors = (probs, routing_map, pre_probs, pre_map)
+    return (
+        probs.is_cuda
+        and probs.dim() == 2
+        and all(t.device == probs.device and t.shape == probs.shape for t in tensors)
+        and probs.dtype in _KERNEL_DTYPES
+        and pre_probs.dtype == probs.dtype
+        and routing_map.dtype == pre_map.dtype == torch.bool
+        and 1 <= topk <= min(kernels.ROUTER_SELECT_MAX_K, probs.shape[1])
+        and probs.shape[1] <= kernels.ROUTER_SELECT_MAX_EXPERTS
+    )
+
+
+def _select_on_device(kernels, probs, routing_map, pre_probs, pre_map, topk: int):
+    probs, routing_map, pre_probs, pre_map = (t.contiguous() for t in (probs, routing_map, pre_probs, pre_map))
+    tokens, num_experts = probs.shape
+    ids = torch.empty((tokens, topk), dtype=torch.int32, device=probs.device)
+    weights = torch.empty((tokens, topk), dtype=probs.dtype, device=probs.device)
+    counts = torch.empty((2, num_experts), dtype=torch.int32, device=probs.device)
+    kernels.router_select(
+        probs.data_ptr(), routing_map.data_ptr(), pre_probs.data_ptr(), pre_map.data_ptr(), tokens, num_experts,
+        topk, _KERNEL_DTYPES[probs.dtype], ids.data_ptr(), weights.data_ptr(), counts.data_ptr(),
+        torch.cuda.current_stream(probs.device).cuda_stream,
+    )
+    return ids, weights, counts
+
+
 def topk_view(
     probs: torch.Tensor, routing_map: torch.Tensor, pre_probs: torch.Tensor, pre_map: torch.Tensor, topk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[tokens, k] expert ids (sentinel E where capacity dropped the route) and their weights.
+    """[tokens, k] expert ids (sentinel E where capacity dropped the route) and their weights
+    (torch reference of the fused kernel).
 
     Slots are ordered by pre-drop probability, descending; a stable sort puts the lower expert id
     first on ties, so the order is fully determined by the router's own outputs.

@@ -17,10 +17,17 @@ from typing import Literal
 import pyarrow as pa
 import torch
 
-from megatron.core.dmi.records import Record, RecordKey, records_to_table
+from megatron.core.dmi.records import Firing, Record, RecordKey, records_to_table
 
 OnFull = Literal["block", "drop"]
 SLOT_ALIGN = 256  # bytes; keeps every slot aligned for vectorised producer copies
+
+
+def capturing_graph() -> bool:
+    """Is the current CUDA stream capturing a graph? Asked on every hook firing, so it asks
+    ``is_initialized`` (module state) first rather than ``is_available`` (reads the environment):
+    no stream captures before CUDA is initialised."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class RingTooSmallError(ValueError):
@@ -64,6 +71,17 @@ class Transport(ABC):
     @abstractmethod
     def publish(self, key: RecordKey, tensor: torch.Tensor) -> bool:
         """Copy ``tensor`` into the ring under ``key``. False if dropped (on_full='drop')."""
+
+    def site_handle(self, site: RecordKey):
+        """What ``publish_firing`` takes to name a capture site (``site`` is a ``RecordKey.site()``);
+        a caller firing one site many times keeps it. This default is the site key itself."""
+        return site
+
+    def publish_firing(self, handle, tensor: torch.Tensor, firing: Firing) -> bool:
+        """``publish`` for a site named by ``site_handle``: the path of a hook that fires every
+        microbatch, without building a full key each time. The caller vouches that ``tensor``
+        has the site's dtype and shape."""
+        return self.publish(handle.fired(firing), tensor)
 
     @abstractmethod
     def take(self, max_records: int, timeout: float) -> list[Record]:

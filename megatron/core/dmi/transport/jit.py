@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 HOST_SOURCES = ("host_ring.cpp",)
-CUDA_SOURCES = ("cuda_ring.cu", "cuda_ring_bind.cpp")
+CUDA_SOURCES = ("cuda_ring.cu", "router_select.cu", "cuda_ring_bind.cpp")
 DEFAULT_CUDA_ARCH = "9.0"
 _CFLAGS = ["-O3", "-std=c++17"]
 
@@ -251,6 +251,11 @@ def load_host(verbose: bool = False):
 def load_cuda(verbose: bool = False):
     """The CUDA build, compiled on first use and cached."""
     return _load("cuda", verbose)
+
+
+def loaded(kind: str):
+    """The ``host`` or ``cuda`` module if this process has already loaded it, else None (never builds)."""
+    return _loaded.get(kind)
 
 
 def compile_cuda_only(verbose: bool = False) -> dict:

@@ -26,7 +26,6 @@ Importing this module needs torch, numpy and pyarrow only (not megatron-core).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from typing import Iterable
@@ -35,16 +34,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, PHASES, Record, RecordKey, descriptor_table, dtype_name
+from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, PHASES, Firing, Record, RecordKey, descriptor_table, dtype_name
 from megatron.core.dmi.transport import jit
-from megatron.core.dmi.transport.base import SLOT_ALIGN, OnFull, Transport, TransportStats
+from megatron.core.dmi.transport.base import SLOT_ALIGN, OnFull, Transport, TransportStats, capturing_graph
 from megatron.core.dmi.transport.blobs import BlobPool
 
-_DYNAMIC = ("iteration", "microbatch", "attempt", "phase", "invocation")
 # A batch filling less than this share of its pooled buffer is copied out, so a trickle of small
 # batches never pins many large buffers while they wait in the sink.
 _MIN_FILL = 0.25
-_STATIC_DEFAULTS = {"iteration": 0, "microbatch": 0, "attempt": 0, "phase": PHASES[0], "invocation": 0}
 
 
 def _phase_code(phase: str | int) -> int:
@@ -61,10 +58,6 @@ def _phase_code(phase: str | int) -> int:
 def site_json(key: RecordKey) -> str:
     """A site's static key as the native spool writer stores it (``RecordKey.from_flat`` reads it)."""
     return json.dumps(key.flat(), separators=(",", ":"))
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class NativeRingTransport(Transport):
@@ -160,7 +153,7 @@ class NativeRingTransport(Transport):
     def register_site(self, key_template: RecordKey) -> int:
         """Static part of a key (everything but iteration/microbatch/attempt/phase/invocation) ->
         site id carried by the descriptors. Idempotent."""
-        static = dataclasses.replace(key_template, **_STATIC_DEFAULTS)
+        static = key_template.site()
         site = self._site_ids.get(static)
         if site is None:
             site = len(self._sites)
@@ -220,10 +213,10 @@ class NativeRingTransport(Transport):
 
     def context(self) -> dict:
         words = self._ring.context()
-        return {name: int(words[i]) for i, name in enumerate(_DYNAMIC)}
+        return {name: int(words[i]) for i, name in enumerate(Firing._fields)}
 
     def _check_not_capturing(self, what: str) -> None:
-        if _capturing():
+        if capturing_graph():
             raise RuntimeError(
                 f"NativeRingTransport.{what} cannot run inside CUDA graph capture: set the gate and "
                 "context before each replay, outside the captured region"
@@ -243,9 +236,16 @@ class NativeRingTransport(Transport):
                 f"tensor {tuple(tensor.shape)} {tensor.dtype} does not match key {key.shape} {key.dtype} ({key.output})"
             )
         self.check_fits(tensor.numel() * tensor.element_size())
-        site = self.register_site(key)
-        ctx = [key.iteration, key.microbatch, key.attempt, _phase_code(key.phase), key.invocation]
-        return self.publish_site(site, tensor, ctx=ctx)
+        return self.publish_firing(self.register_site(key), tensor, key.firing)
+
+    def site_handle(self, site: RecordKey) -> int:
+        return self.register_site(site)
+
+    def publish_firing(self, handle: int, tensor: torch.Tensor, firing: Firing) -> bool:
+        """The firing's words go with the call (see ``publish_site``'s ``ctx``)."""
+        self._check_tensor(tensor)
+        iteration, microbatch, attempt, phase, invocation = firing
+        return self.publish_site(handle, tensor, ctx=[iteration, microbatch, attempt, _phase_code(phase), invocation])
 
     def publish_site(self, site_id: int, tensor: torch.Tensor, mask: int = 1, ctx: list[int] | None = None) -> bool:
         """Publish ``tensor`` under a registered site. The descriptor's context words come from the
@@ -317,9 +317,7 @@ class NativeRingTransport(Transport):
         out = []
         sites = self._sites
         for seq, site, it, mb, att, ph, inv, _nbytes, payload in raw:
-            key = dataclasses.replace(
-                sites[site], iteration=it, microbatch=mb, attempt=att, phase=PHASES[ph], invocation=inv
-            )
+            key = sites[site].fired(Firing(it, mb, att, PHASES[ph], inv))
             out.append((seq, Record(key, payload)))
         return out
 
