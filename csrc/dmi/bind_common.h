@@ -207,8 +207,9 @@ void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) 
         py::gil_scoped_release nogil;
         r.close();
       });
-  // The native spool writer of a ring (spool_writer.h); keeps the ring object alive.
-  py::class_<SpoolThread>(m, "SpoolThread")
+  // The native spool writer of a ring (spool_writer.h); keeps the ring object alive. Module-local:
+  // both builds bind this one C++ type, and a process may load both (pybind11's registry is global).
+  py::class_<SpoolThread>(m, "SpoolThread", py::module_local())
       .def(py::init([](Ring& r, std::string dir, std::string header_json, uint64_t first_seq, uint64_t segment_bytes,
                        uint64_t linger_bytes, double poll_s) {
              return new SpoolThread(r, SpoolConfig{std::move(dir), std::move(header_json), first_seq, segment_bytes,
