@@ -1,6 +1,8 @@
 // DMI producer kernels (CUDA build).
 //
-// One publish = two kernels on the caller's (current) stream, both graph-capturable:
+// One publish = two kernels on the caller's (current) stream, both graph-capturable (a group of up to
+// kMaxGroup records, e.g. every output of one router firing, also takes two: dmi_reserve_group
+// reserves them in order under one lock, dmi_copy_group copies them with one grid row per record):
 //   1. dmi_reserve<<<1, 32>>>: reads the int32 device gate; a rejection publishes nothing and
 //      consumes nothing (it only counts `rejected`). Otherwise, under a device spin lock, it reserves
 //      a contiguous 256-byte-aligned slot in the payload ring and the next sequence number with
@@ -50,14 +52,11 @@ __device__ __forceinline__ uint64_t globaltimer_ns() {
   return t;
 }
 
-__global__ void dmi_reserve(DevRing r, uint64_t nbytes, uint32_t site, uint32_t mask, CtxArg ctx, int ticket) {
-  if (threadIdx.x != 0) return;
-  DevCtrl* c = r.ctrl;
-  volatile DevCtrl* vc = c;
-  volatile Ticket* t = &c->tickets[ticket];
-  while (atomicCAS(&c->lock, 0, 1) != 0) __nanosleep(64);
-  __threadfence();
-
+// One reservation; the caller holds the producer lock. `ctx` = nullptr: the device context block.
+__device__ void reserve_locked(const DevRing& r, uint64_t nbytes, uint32_t site, uint32_t mask, const int64_t* ctx,
+                               int ticket) {
+  volatile DevCtrl* vc = r.ctrl;
+  volatile Ticket* t = &r.ctrl->tickets[ticket];
   const int32_t gate = vc->gate;
   if ((static_cast<uint32_t>(gate) & mask) == 0) {
     uint64_t n = vc->rejected + 1;
@@ -102,7 +101,7 @@ __global__ void dmi_reserve(DevRing r, uint64_t nbytes, uint32_t site, uint32_t 
       d->nbytes = nbytes;
       d->vend = head;
       int64_t w[5];
-      for (int k = 0; k < 5; ++k) w[k] = ctx.use ? ctx.w[k] : vc->ctx[k];
+      for (int k = 0; k < 5; ++k) w[k] = ctx ? ctx[k] : vc->ctx[k];
       d->iteration = w[kCtxIteration];
       d->microbatch = static_cast<int32_t>(w[kCtxMicrobatch]);
       d->attempt = static_cast<int32_t>(w[kCtxAttempt]);
@@ -129,8 +128,31 @@ __global__ void dmi_reserve(DevRing r, uint64_t nbytes, uint32_t site, uint32_t 
       t->accepted = 0;
     }
   }
+}
+
+__device__ __forceinline__ void lock_producers(DevCtrl* c) {
+  while (atomicCAS(&c->lock, 0, 1) != 0) __nanosleep(64);
+  __threadfence();
+}
+
+__device__ __forceinline__ void unlock_producers(DevCtrl* c) {
   __threadfence_system();
   atomicExch(&c->lock, 0);
+}
+
+__global__ void dmi_reserve(DevRing r, uint64_t nbytes, uint32_t site, uint32_t mask, CtxArg ctx, int ticket) {
+  if (threadIdx.x != 0) return;
+  lock_producers(r.ctrl);
+  reserve_locked(r, nbytes, site, mask, ctx.use ? ctx.w : nullptr, ticket);
+  unlock_producers(r.ctrl);
+}
+
+// A group's records are reserved under one lock, in order: consecutive sequence numbers.
+__global__ void dmi_reserve_group(DevRing r, GroupArg g, uint32_t mask) {
+  if (threadIdx.x != 0) return;
+  lock_producers(r.ctrl);
+  for (int i = 0; i < g.n; ++i) reserve_locked(r, g.nbytes[i], g.site[i], mask, g.ctx[i], g.ticket[i]);
+  unlock_producers(r.ctrl);
 }
 
 template <typename V>
@@ -152,7 +174,9 @@ __device__ __forceinline__ void copy_vec(uint8_t* __restrict__ dst, const uint8_
   for (uint64_t j = n * sizeof(V) + tid; j < nbytes; j += stride) dst[j] = src[j];
 }
 
-__global__ void dmi_copy_publish(DevRing r, const uint8_t* __restrict__ src, uint64_t nbytes, int ticket) {
+// This block's share of one record's copy (gridDim.x blocks per record); the last block of the
+// record to finish publishes its descriptor.
+__device__ void copy_one(const DevRing& r, const uint8_t* __restrict__ src, uint64_t nbytes, int ticket) {
   volatile Ticket* t = &r.ctrl->tickets[ticket];
   if (t->accepted == 0) return;  // rejected or dropped: nothing to copy, nothing to publish
   uint8_t* dst = r.payload + t->offset;
@@ -180,17 +204,43 @@ __global__ void dmi_copy_publish(DevRing r, const uint8_t* __restrict__ src, uin
   }
 }
 
+__global__ void dmi_copy_publish(DevRing r, const uint8_t* __restrict__ src, uint64_t nbytes, int ticket) {
+  copy_one(r, src, nbytes, ticket);
+}
+
+__global__ void dmi_copy_group(DevRing r, GroupArg g) {  // blockIdx.y: the record
+  const int i = blockIdx.y;
+  copy_one(r, static_cast<const uint8_t*>(g.src[i]), g.nbytes[i], g.ticket[i]);
+}
+
+static unsigned copy_blocks(uint64_t nbytes, int max_blocks) {
+  const uint64_t per_block = 256ull * 16 * 4;
+  uint64_t blocks = (nbytes + per_block - 1) / per_block;
+  if (blocks < 1) blocks = 1;
+  if (blocks > static_cast<uint64_t>(max_blocks)) blocks = max_blocks;
+  return static_cast<unsigned>(blocks);
+}
+
 cudaError_t launch_publish(const DevRing& r, const void* src, uint64_t nbytes, uint32_t site, uint32_t mask,
                            const CtxArg& ctx, int ticket, int max_blocks, cudaStream_t stream) {
   dmi_reserve<<<1, 32, 0, stream>>>(r, nbytes, site, mask, ctx, ticket);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const uint64_t per_block = 256ull * 16 * 4;
-  uint64_t blocks = (nbytes + per_block - 1) / per_block;
-  if (blocks < 1) blocks = 1;
-  if (blocks > static_cast<uint64_t>(max_blocks)) blocks = max_blocks;
-  dmi_copy_publish<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(r, static_cast<const uint8_t*>(src), nbytes,
-                                                                      ticket);
+  dmi_copy_publish<<<copy_blocks(nbytes, max_blocks), 256, 0, stream>>>(r, static_cast<const uint8_t*>(src), nbytes,
+                                                                         ticket);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_publish_group(const DevRing& r, const GroupArg& g, uint32_t mask, int max_blocks,
+                                 cudaStream_t stream) {
+  if (g.n < 1 || g.n > kMaxGroup) return cudaErrorInvalidValue;
+  dmi_reserve_group<<<1, 32, 0, stream>>>(r, g, mask);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  uint64_t largest = 0;
+  for (int i = 0; i < g.n; ++i) largest = g.nbytes[i] > largest ? g.nbytes[i] : largest;
+  const unsigned per_record = copy_blocks(largest, max_blocks / g.n > 0 ? max_blocks / g.n : 1);
+  dmi_copy_group<<<dim3(per_record, static_cast<unsigned>(g.n)), 256, 0, stream>>>(r, g);
   return cudaGetLastError();
 }
 

@@ -60,6 +60,20 @@ struct CtxArg {
   int32_t use;
 };
 
+// Several records published by one pair of launches (eager path: explicit context words each).
+constexpr int kMaxGroup = 8;
+struct GroupArg {
+  int32_t n;
+  uint32_t site[kMaxGroup];
+  int32_t ticket[kMaxGroup];
+  const void* src[kMaxGroup];
+  uint64_t nbytes[kMaxGroup];
+  int64_t ctx[kMaxGroup][5];
+};
+
+cudaError_t launch_publish_group(const DevRing& r, const GroupArg& g, uint32_t mask, int max_blocks,
+                                 cudaStream_t stream);
+
 cudaError_t launch_publish(const DevRing& r, const void* src, uint64_t nbytes, uint32_t site, uint32_t mask,
                            const CtxArg& ctx, int ticket, int max_blocks, cudaStream_t stream);
 

@@ -98,6 +98,29 @@ class CudaRing : public RingCore {
           "producer launch");
   }
 
+  // Records of one firing in one pair of launches (see cuda_ring.cu); ctx: 5 words per record.
+  void publish_group(const std::vector<uintptr_t>& srcs, const std::vector<uint64_t>& nbytes,
+                     const std::vector<uint32_t>& sites, uint32_t mask, uintptr_t stream,
+                     const std::vector<std::vector<int64_t>>& ctx) {
+    if (closed_) throw std::runtime_error("ring is closed");
+    const size_t n = srcs.size();
+    if (n < 1 || n > static_cast<size_t>(kMaxGroup) || nbytes.size() != n || sites.size() != n || ctx.size() != n)
+      throw std::invalid_argument("publish_group: 1 to 8 records, with as many sizes, sites and contexts");
+    GroupArg g{};
+    g.n = static_cast<int32_t>(n);
+    const uint64_t first = ticket_.fetch_add(n);
+    for (size_t i = 0; i < n; ++i) {
+      if (nbytes[i] > cap_) throw std::invalid_argument("record larger than the ring");
+      if (ctx[i].size() != 5) throw std::invalid_argument("publish_group: 5 context words per record");
+      g.src[i] = reinterpret_cast<const void*>(srcs[i]);
+      g.nbytes[i] = nbytes[i];
+      g.site[i] = sites[i];
+      g.ticket[i] = static_cast<int32_t>((first + i) % kNumTickets);
+      for (int k = 0; k < 5; ++k) g.ctx[i][k] = ctx[i][k];
+    }
+    check(launch_publish_group(dev_, g, mask, max_blocks_, reinterpret_cast<cudaStream_t>(stream)), "group launch");
+  }
+
   // Host -> device on the given (current) stream. The source is pageable host memory, which the
   // driver stages before cudaMemcpyAsync returns, so the stack value may go out of scope.
   void set_gate(int32_t value, uintptr_t stream) {
@@ -185,6 +208,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("desc_capacity"), py::arg("staging_bytes"), py::arg("on_full_block"), py::arg("block_timeout_s"))
       .def("publish", &CudaRing::publish, py::arg("src_ptr"), py::arg("nbytes"), py::arg("site"), py::arg("mask"),
            py::arg("stream"), py::arg("ctx") = py::none())
+      .def("publish_group", &CudaRing::publish_group, py::arg("src_ptrs"), py::arg("nbytes"), py::arg("sites"),
+           py::arg("mask"), py::arg("stream"), py::arg("ctx"))
       .def("set_gate", &CudaRing::set_gate, py::arg("value"), py::arg("stream"))
       .def("gate", &CudaRing::gate)
       .def("set_context", &CudaRing::set_context, py::arg("words"), py::arg("stream"))

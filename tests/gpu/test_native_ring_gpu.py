@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 _EXT_DIR = os.environ.setdefault("TORCH_EXTENSIONS_DIR", tempfile.mkdtemp(prefix="dmi_ext_"))
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
 
-from megatron.core.dmi.records import ParallelCoords, RecordKey, dtype_name  # noqa: E402
+from megatron.core.dmi.records import Firing, ParallelCoords, RecordKey, dtype_name  # noqa: E402
 from megatron.core.dmi.transport import jit, ops  # noqa: E402
 from megatron.core.dmi.transport.base import SLOT_ALIGN  # noqa: E402
 from megatron.core.dmi.transport.native import NativeRingTransport  # noqa: E402
@@ -132,6 +132,41 @@ def test_drop_mode_counts_exactly_and_wraps():
         tr.publish(key_for(t[i], i), t[i])
     out = tr.drain_all(10)
     assert [r.key.iteration for r in out] == [10, 11]
+    assert all(torch.equal(r.tensor(), t[r.key.iteration].cpu()) for r in out)
+    tr.close()
+
+
+def test_group_publish_round_trip_in_order_with_its_own_firings():
+    """publish_firings: up to 8 records per pair of launches (10 here: a group of 8, then 2),
+    each with its own site and step fields, bitwise like a synchronous copy."""
+    tr = NativeRingTransport(64 << 20, "block", torch.device("cuda"))
+    dtypes = [torch.float32, torch.bfloat16, torch.int32, torch.float16, torch.int64]
+    tensors = [random_bits((37 * i + 1, 5), dtypes[i % 5], 100 + i) for i in range(8)]
+    tensors.append(torch.empty((0, 3), device="cuda"))  # zero bytes
+    tensors.append(random_bits((1 << 18, 3), torch.float32, 7)[1:].t())  # large, unaligned, non-contiguous
+    oracles = [t.contiguous().cpu() for t in tensors]
+    sites = [key_for(t, output="router.logits", layer=i).site() for i, t in enumerate(tensors)]
+    handles = [tr.site_handle(s) for s in sites]
+    firings = [Firing(5, i % 3, 0, "train", i % 2) for i in range(len(tensors))]
+    assert tr.publish_firings(handles, tensors, firings) == [True] * len(tensors)
+    out = tr.drain_all(30)
+    assert [r.key for r in out] == [s.fired(f) for s, f in zip(sites, firings)]
+    for r, o in zip(out, oracles):
+        assert torch.equal(r.tensor().view(torch.uint8), o.view(torch.uint8)) if o.numel() else r.payload == b""
+    assert tr.stats.published == len(tensors) and tr.stats.dropped == 0
+    tr.close()
+
+
+def test_group_publish_drops_exactly_what_does_not_fit():
+    tr = NativeRingTransport(4 * SLOT_ALIGN, "drop", torch.device("cuda"), staging_bytes=4 * SLOT_ALIGN)
+    t = [torch.full((64,), float(i), device="cuda") for i in range(6)]  # one slot each
+    handles = [tr.site_handle(key_for(x, layer=i).site()) for i, x in enumerate(t)]
+    tr.publish_firings(handles, t, [Firing(i, 0, 0, "train", 0) for i in range(6)])
+    torch.cuda.synchronize()
+    s = tr.stats
+    assert (s.published, s.dropped, s.dropped_bytes) == (4, 2, 512)
+    out = tr.drain_all(10)
+    assert [r.key.iteration for r in out] == [0, 1, 2, 3]  # reserved in order: the first four fit
     assert all(torch.equal(r.tensor(), t[r.key.iteration].cpu()) for r in out)
     tr.close()
 

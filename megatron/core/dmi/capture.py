@@ -97,26 +97,42 @@ class Capture:
         return self.step.active or capturing_graph()
 
     def publish(self, output: str, layer: int, coords: ParallelCoords, tensor: torch.Tensor, where: Placement) -> bool:
+        return self.publish_all(layer, coords, where, {output: tensor}) == 1
+
+    def publish_all(self, layer: int, coords: ParallelCoords, where: Placement, tensors: dict[str, torch.Tensor]) -> int:
+        """Publish the outputs of one hook firing (output -> tensor, all at one placement) in one
+        transport call; returns how many were accepted."""
         if capturing_graph():
-            return self._publish_in_graph(output, layer, coords, tensor, where)
+            return sum(self._publish_in_graph(o, layer, coords, t, where) for o, t in tensors.items())
+        replaying = inside_backward()
+        if replaying and not self.config.record_replays:
+            self.stats.replays_rejected += len(tensors)
+            return 0
+        handles, firings, sites = [], [], []
+        for output, tensor in tensors.items():
+            firing = self._firing(output, layer, coords, replaying)
+            site, handle = self._site(output, layer, coords, tensor, where)
+            handles.append(handle)
+            firings.append(firing)
+            sites.append(site)
+        accepted = self.transport.publish_firings(handles, list(tensors.values()), firings)
+        for site, firing, ok in zip(sites, firings, accepted):
+            if not ok:
+                self.stats.dropped_keys.append(site.fired(firing))
+        return sum(accepted)
+
+    def _firing(self, output: str, layer: int, coords: ParallelCoords, replaying: bool) -> Firing:
+        """This firing's step fields; a recorded replay takes its original's microbatch."""
         replay_queue = self._awaiting_replay[(layer, output, coords.vpp)]
         microbatch, invocation = self.step.microbatch, 0
-        if inside_backward():
-            if not self.config.record_replays:
-                self.stats.replays_rejected += 1
-                return False
+        if replaying:
             if not replay_queue:
                 raise RuntimeError(f"DMI: replay of {output} layer {layer} without a recorded original forward")
             microbatch, invocation = replay_queue.popleft(), 1
             self.stats.replays_recorded += 1
         elif self.config.record_replays:
             replay_queue.append(microbatch)
-        site, handle = self._site(output, layer, coords, tensor, where)
-        firing = Firing(self.step.iteration, microbatch, self.attempt, self.step.phase, invocation)
-        if self.transport.publish_firing(handle, tensor, firing):
-            return True
-        self.stats.dropped_keys.append(site.fired(firing))
-        return False
+        return Firing(self.step.iteration, microbatch, self.attempt, self.step.phase, invocation)
 
     def _publish_in_graph(self, output, layer, coords, tensor, where) -> bool:
         """Enqueue a device-gated producer; iteration/microbatch come from the device context

@@ -121,9 +121,7 @@ def _router_site(hooks: HookSet, router: TopKRouter, layer: int, coords: Paralle
             return cached["v"]
 
         with torch.no_grad():
-            for out in wanted:
-                if capture.wants(out, layer):
-                    capture.publish(out, layer, coords, values[out](), where)
+            capture.publish_all(layer, coords, where, {o: values[o]() for o in wanted if capture.wants(o, layer)})
         return probs, routing_map
 
     router.routing = routing
@@ -145,9 +143,7 @@ def _attention_site(hooks: HookSet, core_attention: torch.nn.Module, layer: int,
         where = Placement(0, seq, seq, shard_index=coords.tp, shard_count=tp)
         values = {"attn.context": context, "attn.q": query, "attn.k": key}
         with torch.no_grad():
-            for out in wanted:
-                if capture.wants(out, layer):
-                    capture.publish(out, layer, coords, values[out], where)
+            capture.publish_all(layer, coords, where, {o: values[o] for o in wanted if capture.wants(o, layer)})
 
     hooks._handles.append(core_attention.register_forward_hook(hook, with_kwargs=True))
     hooks.layers.setdefault(layer, []).append("attn")

@@ -65,6 +65,7 @@ class NativeRingTransport(Transport):
 
     name = "native"
     TAKE_BUFFER_BYTES = 128 << 20  # one take_table batch at most (larger records get their own buffer)
+    MAX_GROUP = 8  # records per publish_group call (kMaxGroup in csrc/dmi/cuda_ring.h)
 
     def __init__(
         self,
@@ -246,6 +247,28 @@ class NativeRingTransport(Transport):
         self._check_tensor(tensor)
         iteration, microbatch, attempt, phase, invocation = firing
         return self.publish_site(handle, tensor, ctx=[iteration, microbatch, attempt, _phase_code(phase), invocation])
+
+    def publish_firings(self, handles: list[int], tensors: list[torch.Tensor], firings: list[Firing]) -> list[bool]:
+        if self.device.type != "cuda" or len(tensors) < 2:
+            return super().publish_firings(handles, tensors, firings)
+        if self._closed:
+            raise RuntimeError("transport is closed")
+        for start in range(0, len(tensors), self.MAX_GROUP):
+            # kept until the launches are enqueued: a freed contiguous copy could be reused (and
+            # overwritten) by the next one before the copy kernel reads it
+            sources = [t.detach().contiguous() for t in tensors[start:start + self.MAX_GROUP]]
+            ptrs, sizes, words = [], [], []
+            for tensor, t, firing in zip(tensors[start:start + self.MAX_GROUP], sources, firings[start:start + self.MAX_GROUP]):
+                self._check_tensor(tensor)
+                nbytes = t.numel() * t.element_size()
+                self.check_fits(nbytes)
+                ptrs.append(t.data_ptr() if nbytes else 0)
+                sizes.append(nbytes)
+                iteration, microbatch, attempt, phase, invocation = firing
+                words.append([iteration, microbatch, attempt, _phase_code(phase), invocation])
+            self._ring.publish_group(ptrs, sizes, handles[start:start + self.MAX_GROUP], 1,
+                                     torch.cuda.current_stream(self.device).cuda_stream, words)
+        return [True] * len(tensors)
 
     def publish_site(self, site_id: int, tensor: torch.Tensor, mask: int = 1, ctx: list[int] | None = None) -> bool:
         """Publish ``tensor`` under a registered site. The descriptor's context words come from the
