@@ -187,6 +187,12 @@ def compare(actual: dict, golden: dict) -> list[str]:
     return problems
 
 
+# CPU goldens are bitwise, and torch's own kernels, MKL and oneDNN each pick the widest SIMD the
+# processor has: an AVX-512 machine sums in another order than an AVX2 one. Pinned to AVX2, every
+# x86-64 machine with AVX2 computes what the recording machine did.
+CPU_ISA_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def run_case(case_dir: str, platform: str = "cpu", workdir: str | None = None, compare_only: bool = False,
              oracle: bool = False, launch_only: bool = False) -> dict:
     """Run one case (or, with ``compare_only``, read a workdir a GPU run left) and return
@@ -200,23 +206,24 @@ def run_case(case_dir: str, platform: str = "cpu", workdir: str | None = None, c
              "TENSORBOARD_PATH": os.path.join(workdir, "tensorboard")}
     args = model_args(cfg, platform, subst)
     nproc = int(cfg["NPROC"])
+    env_vars = {**(CPU_ISA_ENV if platform == "cpu" else {}), **cfg["ENV_VARS"]}
     logs: list[str] = []
     if not compare_only:
         shutil.rmtree(store, ignore_errors=True)
         oracle_dir = os.path.join(workdir, "oracle") if oracle else None
         if cfg["TEST_TYPE"] == "ckpt-resume":
             kill = int(cfg.get("KILL_AFTER_ITER", 3))
-            rc, log = launch(args, nproc, workdir, "train_attempt1.log", cfg["ENV_VARS"], kill_after=kill,
+            rc, log = launch(args, nproc, workdir, "train_attempt1.log", env_vars, kill_after=kill,
                              torchrun=platform != "cpu")
             logs.append(log)
             if rc == 0:
                 raise CaseFailure(f"attempt 1 was to be killed after iteration {kill} but exited cleanly:\n{log[-3000:]}")
             if f"iteration {kill:8d}/" not in log:
                 raise CaseFailure(f"attempt 1 died before iteration {kill}:\n{log[-5000:]}")
-            rc, log = launch(args, nproc, workdir, "train_attempt2.log", cfg["ENV_VARS"], oracle_dir=oracle_dir,
+            rc, log = launch(args, nproc, workdir, "train_attempt2.log", env_vars, oracle_dir=oracle_dir,
                              torchrun=platform != "cpu")
         else:
-            rc, log = launch(args, nproc, workdir, "train.log", cfg["ENV_VARS"], oracle_dir=oracle_dir,
+            rc, log = launch(args, nproc, workdir, "train.log", env_vars, oracle_dir=oracle_dir,
                              torchrun=platform != "cpu")
         logs.append(log)
         if rc != 0:
