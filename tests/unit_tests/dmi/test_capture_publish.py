@@ -1,0 +1,54 @@
+"""Capture.publish_all: the outputs of one hook firing go to the transport in one call, each under
+its own site with the step's fields; what the ring drops is reported key by key."""
+
+import torch
+
+from megatron.core.dmi.capture import Capture, Placement
+from megatron.core.dmi.catalog import parse_hooks
+from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.records import ParallelCoords
+from megatron.core.dmi.transport.base import SLOT_ALIGN
+from megatron.core.dmi.transport.torch_ring import TorchRingTransport
+
+OUTPUTS = {  # one router firing: 16 tokens, 4 experts, top-2 (each output fits one 256-byte slot)
+    "router.logits": torch.arange(64, dtype=torch.float32).reshape(16, 4),
+    "router.topk_ids": torch.arange(32, dtype=torch.int32).reshape(16, 2),
+    "router.topk_probs": torch.full((16, 2), 0.5),
+    "router.expert_counts": torch.tensor([[8, 8, 8, 8], [8, 8, 7, 8]], dtype=torch.int32),
+}
+
+
+def firing_capture(slots: int) -> Capture:
+    config = DMIConfig(hooks=parse_hooks("router"))
+    capture = Capture(config, TorchRingTransport(slots * SLOT_ALIGN, "drop", torch.device("cpu")), "run-a", 3)
+    capture.begin_step("train", 7)
+    capture.set_microbatch(2)
+    return capture
+
+
+def test_a_firings_outputs_arrive_in_order_with_their_keys_and_bytes():
+    capture = firing_capture(slots=8)
+    coords = ParallelCoords(rank=1, ep=1)
+    assert capture.publish_all(5, coords, Placement(16, 32, 64), OUTPUTS) == 4
+    records = capture.transport.take(10, 0)
+    assert [r.key.output for r in records] == list(OUTPUTS)
+    for r in records:
+        k = r.key
+        assert (k.run_id, k.phase, k.iteration, k.attempt, k.microbatch, k.invocation) == ("run-a", "train", 7, 3, 2, 0)
+        assert (k.layer, k.coords, k.token_start, k.token_end, k.token_total) == (5, coords, 16, 32, 64)
+        assert torch.equal(r.tensor(), OUTPUTS[k.output])
+    # a second firing of the same site reuses its key with the new step fields
+    capture.set_microbatch(3)
+    capture.publish_all(5, coords, Placement(16, 32, 64), {"router.logits": OUTPUTS["router.logits"]})
+    (again,) = capture.transport.take(10, 0)
+    assert again.key == records[0].key.fired(records[0].key.firing._replace(microbatch=3))
+
+
+def test_what_the_ring_drops_is_reported_key_by_key():
+    capture = firing_capture(slots=2)
+    accepted = capture.publish_all(0, ParallelCoords(), Placement(0, 16, 16), OUTPUTS)
+    assert accepted == 2 and capture.transport.stats.dropped == 2
+    dropped = capture.stats.dropped_keys
+    assert [k.output for k in dropped] == ["router.topk_probs", "router.expert_counts"]
+    assert all((k.iteration, k.microbatch, k.attempt) == (7, 2, 3) for k in dropped)
+    assert [r.key.output for r in capture.transport.take(10, 0)] == ["router.logits", "router.topk_ids"]
