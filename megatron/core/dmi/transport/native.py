@@ -55,6 +55,12 @@ def _phase_code(phase: str | int) -> int:
         raise ValueError(f"unknown phase {phase!r} (expected one of {PHASES})") from None
 
 
+def _context_words(firing: Firing) -> list[int]:
+    """A firing as the five context words a producer writes into its descriptor."""
+    iteration, microbatch, attempt, phase, invocation = firing
+    return [iteration, microbatch, attempt, _phase_code(phase), invocation]
+
+
 def site_json(key: RecordKey) -> str:
     """A site's static key as the native spool writer stores it (``RecordKey.from_flat`` reads it)."""
     return json.dumps(key.flat(), separators=(",", ":"))
@@ -245,8 +251,7 @@ class NativeRingTransport(Transport):
     def publish_firing(self, handle: int, tensor: torch.Tensor, firing: Firing) -> bool:
         """The firing's words go with the call (see ``publish_site``'s ``ctx``)."""
         self._check_tensor(tensor)
-        iteration, microbatch, attempt, phase, invocation = firing
-        return self.publish_site(handle, tensor, ctx=[iteration, microbatch, attempt, _phase_code(phase), invocation])
+        return self.publish_site(handle, tensor, ctx=_context_words(firing))
 
     def publish_firings(self, handles: list[int], tensors: list[torch.Tensor], firings: list[Firing]) -> list[bool]:
         if self.device.type != "cuda" or len(tensors) < 2:
@@ -254,21 +259,26 @@ class NativeRingTransport(Transport):
         if self._closed:
             raise RuntimeError("transport is closed")
         for start in range(0, len(tensors), self.MAX_GROUP):
-            # kept until the launches are enqueued: a freed contiguous copy could be reused (and
-            # overwritten) by the next one before the copy kernel reads it
-            sources = [t.detach().contiguous() for t in tensors[start:start + self.MAX_GROUP]]
-            ptrs, sizes, words = [], [], []
-            for tensor, t, firing in zip(tensors[start:start + self.MAX_GROUP], sources, firings[start:start + self.MAX_GROUP]):
+            group = slice(start, start + self.MAX_GROUP)
+            for tensor in tensors[group]:
                 self._check_tensor(tensor)
-                nbytes = t.numel() * t.element_size()
-                self.check_fits(nbytes)
-                ptrs.append(t.data_ptr() if nbytes else 0)
-                sizes.append(nbytes)
-                iteration, microbatch, attempt, phase, invocation = firing
-                words.append([iteration, microbatch, attempt, _phase_code(phase), invocation])
-            self._ring.publish_group(ptrs, sizes, handles[start:start + self.MAX_GROUP], 1,
-                                     torch.cuda.current_stream(self.device).cuda_stream, words)
+            # every source stays referenced until the launches are enqueued: a freed contiguous copy
+            # could be reused, and overwritten, by the next one before the copy kernel reads it
+            sources = [self._source(t) for t in tensors[group]]
+            self._ring.publish_group([t.data_ptr() if n else 0 for t, n in sources], [n for _, n in sources],
+                                     handles[group], 1, torch.cuda.current_stream(self.device).cuda_stream,
+                                     [_context_words(f) for f in firings[group]])
         return [True] * len(tensors)
+
+    def _source(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The contiguous tensor whose bytes a producer copies, and their size (checked against the ring)."""
+        t = tensor.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        if nbytes > self.ring_bytes:
+            self.check_fits(nbytes)
+        return t, nbytes
 
     def publish_site(self, site_id: int, tensor: torch.Tensor, mask: int = 1, ctx: list[int] | None = None) -> bool:
         """Publish ``tensor`` under a registered site. The descriptor's context words come from the
@@ -279,12 +289,7 @@ class NativeRingTransport(Transport):
         rejected (gate) or dropped it; CUDA always returns True (the device decides; see stats)."""
         if self._closed:
             raise RuntimeError("transport is closed")
-        t = tensor.detach()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
-        if nbytes > self.ring_bytes:
-            self.check_fits(nbytes)
+        t, nbytes = self._source(tensor)
         ptr = t.data_ptr() if nbytes else 0
         if self.device.type == "cuda":
             self._ring.publish(ptr, nbytes, site_id, mask, torch.cuda.current_stream(self.device).cuda_stream, ctx)
