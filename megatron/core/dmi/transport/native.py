@@ -243,7 +243,7 @@ class NativeRingTransport(Transport):
                 f"tensor {tuple(tensor.shape)} {tensor.dtype} does not match key {key.shape} {key.dtype} ({key.output})"
             )
         self.check_fits(tensor.numel() * tensor.element_size())
-        return self.publish_firing(self.register_site(key), tensor, key.firing)
+        return self.publish_site(self.register_site(key), tensor, ctx=_context_words(key.firing))
 
     def site_handle(self, site: RecordKey) -> int:
         return self.register_site(site)
