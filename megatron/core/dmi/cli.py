@@ -118,10 +118,11 @@ def cmd_describe(args) -> int:
         d = store.describe(args.run_id)
         print(d)
         _print_table(d.outputs)
-        if args.config and d.config:
+        if args.config:
             import json
 
-            print(json.dumps(d.config, indent=2, sort_keys=True))
+            print(json.dumps({"dmi_config": d.config, "model": d.model, "layout": d.layout,
+                              "command_line": d.command_line, "versions": d.versions}, indent=2, sort_keys=True))
     return 0
 
 
@@ -236,7 +237,8 @@ def _setup_show(p):
 def _setup_describe(p):
     _store_arg(p)
     _run_arg(p)
-    p.add_argument("--config", action="store_true", help="also print the run's DMI config")
+    p.add_argument("--config", action="store_true", help="also print the run's DMI config, model configuration, parallel layout, command line and versions "
+                   "as JSON")
     p.set_defaults(func=cmd_describe)
 
 

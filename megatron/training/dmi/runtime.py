@@ -12,15 +12,15 @@ import atexit
 import json
 import os
 import time
+import sys
 import uuid
-from importlib import metadata
 
 import torch
 
 import megatron.training.training as mt_training
 from megatron.training import get_args, print_rank_0
 
-from megatron.core.dmi import __version__ as dmi_version
+from megatron.core.dmi import provenance
 from megatron.core.dmi.capture import GATE_ORIGINAL, Capture
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.drain import Drain
@@ -129,19 +129,25 @@ class DMIRuntime:
         with open(path, encoding="utf-8") as f:
             return json.load(f)["run_id"]
 
-    def _write_run_info(self) -> None:
-        versions = {"torch": torch.__version__, "megatron-core": metadata.version("megatron-core"), "megatron-dmi": dmi_version}
+    def _write_run_info(self, model_config) -> None:
         config = {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in vars(self.config).items() if k != "clickhouse_password"}
+        args = self.args
+        model = provenance.model_summary(
+            model_config, seq_length=getattr(args, "seq_length", None), vocab_size=getattr(args, "padded_vocab_size", None),
+            micro_batch_size=getattr(args, "micro_batch_size", None), global_batch_size=getattr(args, "global_batch_size", None),
+        )
         self.sink.write_run(
             RunInfo(
                 run_id=self.run_id,
                 attempt=self.attempt,
                 resumed_from_iteration=self.resumed_from,
                 config=config,
-                versions=versions,
                 coords=self.coords,
                 layers=sorted(self.hooks.layers),
                 world_size=torch.distributed.get_world_size() if _dist() else 1,
+                model=model,
+                layout=provenance.parallel_layout(),
+                command_line=sys.argv,
             )
         )
 
@@ -156,7 +162,7 @@ class DMIRuntime:
                 self.hooks.attach(inner, vpp)
                 new = True
         if new:
-            self._write_run_info()
+            self._write_run_info(getattr(_unwrap(chunks[0]), "config", None))
 
     def end_training(self) -> None:
         """The training loop returned: later forwards (pretrain's final evaluations) are not captured."""

@@ -7,6 +7,7 @@ superseded (DESIGN section 7).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -43,7 +44,7 @@ class StoreError(RuntimeError):
 @dataclass
 class RunDescription:
     run_id: str
-    attempts: pd.DataFrame  # attempt, resumed_from_iteration, started_at, world_size, versions
+    attempts: pd.DataFrame  # attempt, resumed_from_iteration, started_at, world_size, versions_json
     outputs: pd.DataFrame  # phase, output, records, bytes, layers, n_iterations, first/last iteration, ranks
     layers: list[int]
     iterations: dict[str, list[int]]  # phase -> visible iterations
@@ -52,6 +53,10 @@ class RunDescription:
     superseded_records: int
     dropped_records: int
     config: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)  # of the latest attempt (provenance.model_summary)
+    layout: dict[str, Any] = field(default_factory=dict)  # parallel group sizes of the latest attempt
+    command_line: list[str] = field(default_factory=list)  # the latest attempt's argv, secrets scrubbed
+    versions: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"run {self.run_id}: {self.records} records, {self.bytes / 2**20:.2f} MiB"
@@ -64,9 +69,31 @@ class RunDescription:
             if its:
                 lines.append(f"  {phase}: {len(its)} iteration(s) {its[0]}..{its[-1]}")
         lines.append(f"  layers: {_ranges(self.layers)}")
+        if self.layout:
+            order = {k: i for i, k in enumerate(_LAYOUT_ORDER)}
+            lines.append("  layout: " + " ".join(f"{k}={v}" for k, v in
+                                                  sorted(self.layout.items(), key=lambda kv: order.get(kv[0], 99))))
+        if self.model:
+            lines.append("  model: " + ", ".join(f"{k}={v}" for k, v in self.model.items() if k in _MODEL_HEADLINE))
+        if self.versions:
+            lines.append("  versions: " + ", ".join(f"{k} {v}" for k, v in sorted(self.versions.items())))
         if self.dropped_records:
             lines.append(f"  records dropped before persistence: {self.dropped_records}")
         return "\n".join(lines)
+
+
+_LAYOUT_ORDER = ("world_size", "tp", "pp", "vpp", "cp", "ep", "etp", "dp")
+# The model fields ``describe`` prints on one line (the full summary is in ``RunDescription.model``).
+_MODEL_HEADLINE = ("num_layers", "hidden_size", "num_attention_heads", "num_moe_experts", "moe_router_topk",
+                   "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_router_score_function", "params_dtype",
+                   "seq_length", "sequence_parallel")
+
+
+def _json_or_empty(text: str | None) -> dict:
+    try:
+        return json.loads(text) if text else {}
+    except ValueError:  # a damaged row must not stop describe
+        return {}
 
 
 def _ranges(xs: Sequence[int]) -> str:
@@ -246,7 +273,8 @@ class Store:
     def attempts(self, run_id: str) -> pd.DataFrame:
         return self.df(
             f"SELECT attempt, any(resumed_from_iteration) AS resumed_from_iteration, min(started_at) AS started_at, "
-            f"max(world_size) AS world_size, any(versions_json) AS versions_json, any(config_json) AS config_json "
+            f"max(world_size) AS world_size, any(versions_json) AS versions_json, any(config_json) AS config_json, "
+            f"any(model_json) AS model_json, any(layout_json) AS layout_json, any(command_line) AS command_line "
             f"FROM {self.t('runs')} FINAL WHERE run_id = {{run:String}} GROUP BY attempt ORDER BY attempt",
             {"run": run_id},
         )
@@ -292,24 +320,21 @@ class Store:
         drops = self.sql(f"SELECT count() AS n FROM {self.t('drops')} FINAL WHERE run_id = {{run:String}}",
                          {"run": run_id}).column("n")[0].as_py()
         attempts = self.attempts(run_id)
-        config = {}
-        if not attempts.empty:
-            import json
-
-            try:
-                config = json.loads(attempts["config_json"].iloc[-1])
-            except ValueError:
-                pass
+        latest = attempts.iloc[-1] if not attempts.empty else None
+        meta = {name: _json_or_empty(None if latest is None else latest[f"{name}_json"])
+                for name in ("config", "model", "layout", "versions")}
         vis = self.visible_attempts(run_id)
         iterations: dict[str, list[int]] = defaultdict(list)
         for (phase, it) in sorted(vis):
             iterations[phase].append(it)
         layers = sorted({int(x) for ls in outputs["layers"] for x in ls}) if not outputs.empty else []
         return RunDescription(
-            run_id=run_id, attempts=attempts.drop(columns=["config_json"]), outputs=outputs, layers=layers,
+            run_id=run_id, attempts=attempts.drop(columns=["config_json", "model_json", "layout_json", "command_line"]),
+            outputs=outputs, layers=layers,
             iterations=dict(iterations), records=int(outputs["records"].sum()) if not outputs.empty else 0,
             bytes=int(outputs["bytes"].sum()) if not outputs.empty else 0, superseded_records=int(superseded),
-            dropped_records=int(drops), config=config,
+            dropped_records=int(drops), **meta,
+            command_line=[] if latest is None or latest["command_line"] is None else list(latest["command_line"]),
         )
 
     def topology(self, run_id: str, attempt: int | None = None) -> pd.DataFrame:

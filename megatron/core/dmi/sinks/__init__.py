@@ -32,7 +32,7 @@ from megatron.core.dmi.sinks.backend import (
 )
 from megatron.core.dmi.sinks.base import Sink, SinkReport
 from megatron.core.dmi.sinks.ingest import IngestResult, IngesterThread, ingest_spool, load_table
-from megatron.core.dmi.sinks.meta import DMISinkReport, RunInfo, default_versions
+from megatron.core.dmi.sinks.meta import DMISinkReport, RunInfo
 from megatron.core.dmi.sinks.schema import SCHEMA_VERSION, IdentifierError, SchemaVersionError, check_identifier
 from megatron.core.dmi.sinks.sinks import DMISink, EmbeddedSink, NullSink, ServerSink, SpoolSink
 
@@ -63,5 +63,5 @@ __all__ = [
     "EmbeddedSink", "ServerSink", "IngesterThread", "IngestResult", "ingest_spool", "load_table",
     "ChdbBackend", "ServerBackend", "open_backend", "StoreBusyError", "BackendError", "ServerURLError",
     "SchemaVersionError", "IdentifierError", "SCHEMA_VERSION", "parse_server_url", "resolve_password",
-    "default_versions", "PASSWORD_ENV", "PASSWORD_FILE_ENV",
+    "PASSWORD_ENV", "PASSWORD_FILE_ENV",
 ]

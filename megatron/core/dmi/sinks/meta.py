@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
+from megatron.core.dmi.provenance import package_versions, scrub_command_line
 from megatron.core.dmi.records import ParallelCoords, RecordKey
 from megatron.core.dmi.sinks import schema as S
 from megatron.core.dmi.sinks.base import SinkReport
@@ -47,25 +48,6 @@ class DMISinkReport(SinkReport):
         return s
 
 
-def default_versions() -> dict[str, str]:
-    """Versions of the packages a run depends on (recorded in the runs table)."""
-    from importlib import metadata
-
-    out = {}
-    for dist in ("torch", "megatron-core", "megatron-dmi", "chdb", "pyarrow"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    try:
-        import megatron.core.dmi as dmi
-
-        out.setdefault("megatron-dmi", getattr(dmi, "__version__", "?"))
-    except Exception:
-        pass
-    return out
-
-
 @dataclass
 class RunInfo:
     """What a rank tells its sink about the run at start-up (``Sink.write_run``).
@@ -73,14 +55,18 @@ class RunInfo:
     ``attempt`` starts at 1 and grows by one on every resume; ``resumed_from_iteration`` is the
     checkpoint iteration an attempt continues from (None for a fresh start): records of earlier
     attempts for later iterations are superseded. ``coords``/``layers`` are this rank's topology
-    row (global 0-based layer numbers it holds).
+    row (global 0-based layer numbers it holds). ``model``, ``layout`` and ``command_line`` make the
+    store readable without the training command (``megatron.core.dmi.provenance``).
     """
 
     run_id: str
     attempt: int
     resumed_from_iteration: int | None
     config: dict[str, Any]
-    versions: dict[str, str] = field(default_factory=default_versions)
+    versions: dict[str, str] = field(default_factory=package_versions)
+    model: dict[str, Any] = field(default_factory=dict)
+    layout: dict[str, Any] = field(default_factory=dict)
+    command_line: Sequence[str] = ()
     coords: ParallelCoords = field(default_factory=ParallelCoords)
     layers: Sequence[int] = ()
     world_size: int = 1
@@ -112,6 +98,8 @@ def runs_table(info: RunInfo) -> pa.Table:
         "resumed_from_iteration": -1 if info.resumed_from_iteration is None else int(info.resumed_from_iteration),
         "started_at": info.started_at, "rank": int(info.coords.rank), "world_size": int(info.world_size),
         "hostname": info.hostname, "config_json": _json(scrub_secrets(info.config)), "versions_json": _json(info.versions),
+        "model_json": _json(info.model), "layout_json": _json(info.layout),
+        "command_line": scrub_command_line(info.command_line),
     }], schema=S.RUNS_SCHEMA)
 
 

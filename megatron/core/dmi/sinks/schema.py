@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from megatron.core.dmi.records import COORD_COLUMNS, KEY_COLUMNS, TENSOR_SCHEMA
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_DATABASE = "dmi"
 
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
@@ -56,8 +56,11 @@ RUNS_SCHEMA = pa.schema([
     ("rank", pa.int32()),  # the rank that wrote this row (every rank writes one; they collapse)
     ("world_size", pa.int32()),
     ("hostname", pa.string()),
-    ("config_json", pa.string()),
+    ("config_json", pa.string()),  # the DMI config (secrets scrubbed)
     ("versions_json", pa.string()),
+    ("model_json", pa.string()),  # the model configuration captured outputs depend on (provenance.model_summary)
+    ("layout_json", pa.string()),  # parallel group sizes (provenance.parallel_layout)
+    ("command_line", pa.list_(pa.string())),  # the launching argv, secrets scrubbed
 ])
 
 TOPOLOGY_SCHEMA = pa.schema([

@@ -65,3 +65,23 @@ def test_show_prints_expert_load(run):
                          cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     assert dump["run_id"] in out.stdout and "expert load" in out.stdout
+
+
+def test_run_row_describes_model_layout_command_line_and_versions(run):
+    _, dump, _, store = run
+    import json
+
+    attempt = dump["attempts"][-1]
+    model, layout = json.loads(attempt["model_json"]), json.loads(attempt["layout_json"])
+    assert model["num_layers"] == LAYERS and model["num_moe_experts"] == EXPERTS and model["moe_router_topk"] == 2
+    assert model["seq_length"] > 0 and "moe_token_drop_policy" in model
+    assert layout == {"world_size": 1, "tp": 1, "pp": 1, "vpp": 1, "cp": 1, "ep": 1, "etp": 1, "dp": 1}
+    assert "--dmi-hooks" in list(attempt["command_line"])
+    versions = json.loads(attempt["versions_json"])
+    assert {"torch", "megatron-core", "megatron-dmi", "chdb", "pyarrow"} <= set(versions)
+    out = subprocess.run([sys.executable, "-m", "megatron.core.dmi", "describe", store, "--config"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "layout: world_size=1 tp=1" in out.stdout and f"num_moe_experts={EXPERTS}" in out.stdout
+    described = json.loads(out.stdout[out.stdout.index("{"):])
+    assert described["model"] == model and described["command_line"] == list(attempt["command_line"])
