@@ -187,6 +187,8 @@ template <class Ring>
 void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) {
   m.attr("SLOT_ALIGN") = kSlotAlign;
   m.attr("CTX_WORDS") = kCtxWords;
+  m.attr("FIRING_WORDS") = kFiringWords;
+  m.attr("MAX_GROUP") = kMaxGroup;
   m.attr("DESC_BYTES") = sizeof(Desc);
   m.attr("TAKE_WORDS") = kTakeWords;
   m.attr("BUILD") = build;

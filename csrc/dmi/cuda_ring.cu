@@ -100,8 +100,8 @@ __device__ void reserve_locked(const DevRing& r, uint64_t nbytes, uint32_t site,
       d->offset = vstart % r.cap;
       d->nbytes = nbytes;
       d->vend = head;
-      int64_t w[5];
-      for (int k = 0; k < 5; ++k) w[k] = ctx ? ctx[k] : vc->ctx[k];
+      int64_t w[kFiringWords];
+      for (int k = 0; k < kFiringWords; ++k) w[k] = ctx ? ctx[k] : vc->ctx[k];
       d->iteration = w[kCtxIteration];
       d->microbatch = static_cast<int32_t>(w[kCtxMicrobatch]);
       d->attempt = static_cast<int32_t>(w[kCtxAttempt]);

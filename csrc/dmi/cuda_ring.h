@@ -56,19 +56,18 @@ constexpr int kClosingWord = 0;
 // Explicit context words for one record (eager publish(key, tensor)); `use` = 0 reads the device
 // context block instead (graph-capturable publish_site path).
 struct CtxArg {
-  int64_t w[5];
+  int64_t w[kFiringWords];
   int32_t use;
 };
 
 // Several records published by one pair of launches (eager path: explicit context words each).
-constexpr int kMaxGroup = 8;
 struct GroupArg {
   int32_t n;
   uint32_t site[kMaxGroup];
   int32_t ticket[kMaxGroup];
   const void* src[kMaxGroup];
   uint64_t nbytes[kMaxGroup];
-  int64_t ctx[kMaxGroup][5];
+  int64_t ctx[kMaxGroup][kFiringWords];
 };
 
 cudaError_t launch_publish_group(const DevRing& r, const GroupArg& g, uint32_t mask, int max_blocks,

@@ -111,12 +111,13 @@ class CudaRing : public RingCore {
     const uint64_t first = ticket_.fetch_add(n);
     for (size_t i = 0; i < n; ++i) {
       if (nbytes[i] > cap_) throw std::invalid_argument("record larger than the ring");
-      if (ctx[i].size() != 5) throw std::invalid_argument("publish_group: 5 context words per record");
+      if (ctx[i].size() != static_cast<size_t>(kFiringWords))
+        throw std::invalid_argument("publish_group: one firing's context words per record");
       g.src[i] = reinterpret_cast<const void*>(srcs[i]);
       g.nbytes[i] = nbytes[i];
       g.site[i] = sites[i];
       g.ticket[i] = static_cast<int32_t>((first + i) % kNumTickets);
-      for (int k = 0; k < 5; ++k) g.ctx[i][k] = ctx[i][k];
+      for (int k = 0; k < kFiringWords; ++k) g.ctx[i][k] = ctx[i][k];
     }
     check(launch_publish_group(dev_, g, mask, max_blocks_, reinterpret_cast<cudaStream_t>(stream)), "group launch");
   }

@@ -31,8 +31,11 @@
 
 namespace dmi {
 
-constexpr uint64_t kSlotAlign = 256;  // == megatron.core.dmi.transport.base.SLOT_ALIGN
-constexpr int kCtxWords = 8;
+// Each constant below is exported to Python under its name without the k (SLOT_ALIGN, ...) and
+// checked against megatron/core/dmi/transport/abi.py when a build is loaded.
+constexpr uint64_t kSlotAlign = 256;
+constexpr int kCtxWords = 8;          // words of the device context block (the firing's and spare)
+constexpr int kMaxGroup = 8;          // records per publish_group: one reserve and one copy launch
 constexpr int kNumTickets = 1024;     // CUDA build: per-launch scratch (reserve -> copy kernel)
 
 enum CtxWord : int {
@@ -42,6 +45,8 @@ enum CtxWord : int {
   kCtxPhase = 3,
   kCtxInvocation = 4,
 };
+constexpr int kFiringWords = kCtxInvocation + 1;  // the context words a descriptor carries
+static_assert(kFiringWords <= kCtxWords, "the context block holds a firing's words");
 
 enum OnFull : int { kDrop = 0, kBlock = 1 };
 

@@ -18,7 +18,6 @@ import warnings
 
 import pyarrow as pa
 
-from megatron.core.dmi.records import table_nbytes
 from megatron.core.dmi.sinks.base import Sink
 from megatron.core.dmi.transport.base import Transport
 
@@ -43,7 +42,6 @@ class Drain:
         self.poll_seconds = poll_seconds
         self.linger_bytes = min(32 << 20, transport.ring_bytes // 4) if linger_bytes is None else linger_bytes
         self._records = 0  # handed to the sink (native: as of the last relay)
-        self._bytes = 0
         self.batches_written = 0
         self.sink_errors: list[str] = []
         self._native_errors_seen = 0
@@ -63,7 +61,6 @@ class Drain:
         try:
             self.sink.write_table(table)
             self._records += table.num_rows
-            self._bytes += table_nbytes(table)
             self.batches_written += 1
         except Exception as exc:  # the sink spools on its own; anything else must not kill training
             msg = f"sink write of {table.num_rows} records failed: {exc!r}"
@@ -77,18 +74,11 @@ class Drain:
             except queue.Empty:
                 return
 
-    def _persisted(self, field: str, relayed: int) -> int:
-        live = self.transport.spool_stats() if self.native else None
-        return live[field] if live else relayed
-
     @property
     def records_persisted(self) -> int:
         """Records handed to the sink (native: written into spool segments, live)."""
-        return self._persisted("records", self._records)
-
-    @property
-    def bytes_persisted(self) -> int:
-        return self._persisted("bytes", self._bytes)
+        live = self.transport.spool_stats() if self.native else None
+        return live["records"] if live else self._records
 
     def _run(self) -> None:
         if self.native:
@@ -135,7 +125,7 @@ class Drain:
     def _relay(self, stats: dict, closed: list) -> None:
         """Counters and closed segments to the sink (every PROGRESS_SECONDS), which reports the
         writer's errors at close."""
-        self._records, self._bytes = stats["records"], stats["bytes"]
+        self._records = stats["records"]
         for msg in stats["errors"][self._native_errors_seen:]:  # say it when it happens, loudly
             warnings.warn(f"DMI: {msg}", RuntimeWarning, stacklevel=2)
             log.error("DMI: %s", msg)

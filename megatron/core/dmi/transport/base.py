@@ -18,9 +18,9 @@ import pyarrow as pa
 import torch
 
 from megatron.core.dmi.records import Firing, Record, RecordKey, records_to_table
+from megatron.core.dmi.transport.abi import SLOT_ALIGN
 
 OnFull = Literal["block", "drop"]
-SLOT_ALIGN = 256  # bytes; keeps every slot aligned for vectorised producer copies
 
 
 def capturing_graph() -> bool:
@@ -45,10 +45,6 @@ class TransportStats:
     drained_bytes: int = 0
     blocked: int = 0  # on_full=block: records whose producer waited for ring space
     blocked_seconds: float = 0.0  # ... and how long, in total: training stood still that long
-
-    @property
-    def in_flight(self) -> int:
-        return self.published - self.drained
 
 
 class Transport(ABC):

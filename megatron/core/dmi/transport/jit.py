@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from megatron.core.dmi.transport import abi
+
 HOST_SOURCES = ("host_ring.cpp",)
 CUDA_SOURCES = ("cuda_ring.cu", "router_select.cu", "cuda_ring_bind.cpp")
 DEFAULT_CUDA_ARCH = "9.0"
@@ -207,6 +209,7 @@ def _load(kind: str, verbose: bool = False, import_module: bool = True):
     seconds = time.perf_counter() - t0
     _timings[kind] = {"name": name, "seconds": seconds, "cached": cached, "build_dir": str(build_dir)}
     if mod is not None:
+        abi.check(mod, kind)
         _loaded[kind] = mod
     return mod
 

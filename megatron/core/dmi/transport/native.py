@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -36,7 +35,8 @@ import torch
 
 from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, PHASES, Firing, Record, RecordKey, descriptor_table, dtype_name
 from megatron.core.dmi.transport import jit
-from megatron.core.dmi.transport.base import SLOT_ALIGN, OnFull, Transport, TransportStats, capturing_graph
+from megatron.core.dmi.transport.abi import FIRING_WORDS, MAX_GROUP, SLOT_ALIGN
+from megatron.core.dmi.transport.base import OnFull, Transport, TransportStats, capturing_graph
 from megatron.core.dmi.transport.blobs import BlobPool
 
 # A batch filling less than this share of its pooled buffer is copied out, so a trickle of small
@@ -56,7 +56,7 @@ def _phase_code(phase: str | int) -> int:
 
 
 def _context_words(firing: Firing) -> list[int]:
-    """A firing as the five context words a producer writes into its descriptor."""
+    """A firing as the ``FIRING_WORDS`` context words a producer writes into its descriptor."""
     iteration, microbatch, attempt, phase, invocation = firing
     return [iteration, microbatch, attempt, _phase_code(phase), invocation]
 
@@ -71,7 +71,7 @@ class NativeRingTransport(Transport):
 
     name = "native"
     TAKE_BUFFER_BYTES = 128 << 20  # one take_table batch at most (larger records get their own buffer)
-    MAX_GROUP = 8  # records per publish_group call (kMaxGroup in csrc/dmi/cuda_ring.h)
+    MAX_GROUP = MAX_GROUP  # records per publish_group call
 
     def __init__(
         self,
@@ -117,7 +117,7 @@ class NativeRingTransport(Transport):
         self._site_ids: dict[RecordKey, int] = {}
         self.blobs = BlobPool(min(self.staging_bytes, self.TAKE_BUFFER_BYTES))
         self._spool = None  # the native spool writer, when it is the consumer (start_spool)
-        self._ctx = (0, 0, 0, 0, 0)  # host copy of the context block (iteration, mb, attempt, phase, inv)
+        self._ctx = (0,) * FIRING_WORDS  # host copy of the context block (iteration, mb, attempt, phase, inv)
         self._closed = False
         self._last_stats = TransportStats()
         from megatron.core.dmi.transport import ops  # registers the custom op
@@ -423,6 +423,3 @@ class NativeRingTransport(Transport):
             self.close()
         except Exception:
             pass
-
-    def sites(self) -> Iterable[RecordKey]:
-        return tuple(self._sites)
