@@ -34,7 +34,7 @@ def _say(msg: str) -> None:
 
 
 def _rename_tensors(rt) -> None:
-    ing = rt.sink.ingester
+    ing = rt.session.sink.ingester
     ing.run_pass()  # what was flushed so far is in the store
     db = ing.backend.database
     n = ing.backend.query_arrow(f"SELECT count() AS n FROM {db}.tensors").column("n")[0].as_py()
@@ -63,7 +63,7 @@ def _disk_full(rt) -> None:
 
 
 def _kill(rt) -> None:
-    _say(f"captured {rt.transport.stats.published} records; kill -9 now")
+    _say(f"captured {rt.session.transport.stats.published} records; kill -9 now")
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -56,7 +56,7 @@ def prepare_process(argv: list[str]) -> None:
     _use_prebuilt_dataset_helpers()
     _validate_dmi_after_megatron()
     if CPU_DEV_FLAG in argv:
-        from megatron.training.dmi import cpu_mode
+        from megatron.core.dmi import cpu_mode
 
         for flag, value in CPU_REQUIRED_FLAGS.items():
             if flag not in argv:
@@ -66,7 +66,7 @@ def prepare_process(argv: list[str]) -> None:
         for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("NCCL_ALGO", "Ring")):
             os.environ.setdefault(var, value)
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        cpu_mode.enable()
+        cpu_mode.enable(training=True)
     elif not torch.cuda.is_available():
         sys.exit(
             "error: no CUDA GPU is visible. Megatron trains on GPUs; to try DMI on this machine with a "
@@ -75,7 +75,7 @@ def prepare_process(argv: list[str]) -> None:
 
 
 def compute_device() -> torch.device:
-    from megatron.training.dmi import cpu_mode
+    from megatron.core.dmi import cpu_mode
 
     return torch.device("cpu") if cpu_mode.enabled() else torch.device("cuda", torch.cuda.current_device())
 

@@ -1,9 +1,11 @@
-"""DMIRuntime: DMI's life inside one training process.
+"""DMIRuntime: DMI inside ``pretrain_gpt.py``'s training process, a client of the core
+``DMISession`` (megatron/core/dmi/session.py).
 
-Created on the first forward step (model built, process groups up), it owns the transport, the
-drain, the sink and the hooks; takes the step context from the schedule; flushes and saves its
-state with every checkpoint; prints DMI's line at each log interval; and closes everything at the
-end with an end-of-run report.
+Started when Megatron's ``train()`` is entered (model built, checkpoint loaded, process groups up),
+it opens a session from the ``--dmi-*`` arguments, feeds it the step context from the schedule
+(iteration from ``args.curr_iteration``), flushes it and saves its state with every checkpoint,
+prints DMI's line at each log interval, and closes it at the end with an end-of-run report. What
+lives here is only what ``megatron.training`` offers no hook for.
 """
 
 from __future__ import annotations
@@ -11,23 +13,14 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import time
-import sys
-import uuid
 
 import torch
 
 import megatron.training.training as mt_training
 from megatron.training import get_args, print_rank_0
 
-from megatron.core.dmi import provenance
-from megatron.core.dmi.capture import GATE_ORIGINAL, Capture
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.drain import Drain
-from megatron.core.dmi.hooks.install import HookSet, rank_coords
-from megatron.core.dmi.sinks import RunInfo, open_sink
-from megatron.core.dmi.sinks.base import SinkReport
-from megatron.core.dmi.transport import open_transport
+from megatron.core.dmi.session import DMISession
 from megatron.training.dmi.arguments import config_from_args
 from megatron.training.dmi.entry import compute_device
 
@@ -36,34 +29,6 @@ STATE_FILE = "dmi_state_iter_{:07d}.json"
 
 def _dist() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _broadcast(obj):
-    if not _dist() or torch.distributed.get_world_size() == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def _allocate_attempt(store_dir: str, run_id: str) -> int:
-    """Attempts are numbered by exclusive creation of a marker file, so a crashed attempt that never
-    saved a checkpoint still owns its number and its records stay distinguishable."""
-    folder = os.path.join(store_dir, "attempts", run_id)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    attempt = 1
-    while True:
-        try:
-            os.close(os.open(os.path.join(folder, str(attempt)), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-            return attempt
-        except FileExistsError:
-            attempt += 1
 
 
 class DMIRuntime:
@@ -76,7 +41,7 @@ class DMIRuntime:
         if cls._instance is None:
             cls._instance = cls(config_from_args(get_args()))
         if model is not None:
-            cls._instance.attach(model if isinstance(model, (list, tuple)) else [model])
+            cls._instance.session.attach(model)
         return cls._instance
 
     @classmethod
@@ -90,37 +55,23 @@ class DMIRuntime:
         self.config = config
         self.args = args
         resumed_from = args.iteration if (args.load and args.iteration) else None
-        run_id, attempt = None, None
-        if not _dist() or torch.distributed.get_rank() == 0:
-            run_id = config.run_id or self._resumed_run_id(resumed_from) or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
-            attempt = _allocate_attempt(config.store_dir, run_id)
-        self.run_id, self.attempt = _broadcast((run_id, attempt))
-        self.resumed_from = resumed_from
-        self.coords = rank_coords()
-        self.transport = open_transport(config, compute_device())
-        self.sink = open_sink(config, self.coords, self.run_id, is_ingester=int(os.environ.get("LOCAL_RANK", "0")) == 0)
-        self.capture = Capture(config, self.transport, self.run_id, self.attempt)
-        self.hooks = HookSet(self.capture)
-        self.drain = Drain(self.transport, self.sink, batch_records=config.flush_records)
-        self._chunks: dict[int, int] = {}  # id(unwrapped chunk) -> virtual pipeline stage
-        self._training_done = False
-        self._step: tuple[str, int] | None = None
-        self._microbatch: dict[int, int] = {}
-        self._drops_written = 0
-        # Under CUDA graphs the producers replay without Python: the device gate and context block
-        # carry the step, set on the stream before every forward.
-        self._device_context = getattr(args, "cuda_graph_impl", "none") != "none"
-        if self._device_context and not hasattr(self.transport, "publish_site"):
-            raise RuntimeError("DMI: CUDA graphs need the native transport, which could not be built here "
-                               "(run `python -m megatron.core.dmi doctor --build`)")
+        self.session = DMISession(
+            config,
+            resumed_run_id=self._resumed_run_id(resumed_from),
+            resumed_from_iteration=resumed_from,
+            device=compute_device(),
+            cuda_graphs=getattr(args, "cuda_graph_impl", "none") != "none",
+            run_facts={"seq_length": getattr(args, "seq_length", None),
+                       "vocab_size": getattr(args, "padded_vocab_size", None),
+                       "micro_batch_size": getattr(args, "micro_batch_size", None),
+                       "global_batch_size": getattr(args, "global_batch_size", None)},
+        )
+        self.run_id, self.attempt = self.session.run_id, self.session.attempt
         self._patch_training_loop()
         atexit.register(DMIRuntime.shutdown)
-        print_rank_0(
-            f"DMI: run {self.run_id} attempt {self.attempt} capturing {', '.join(sorted(config.hooks))} "
-            f"via {self.transport.name} transport into {config.persist} ({config.clickhouse_url or config.store_dir})"
-        )
+        print_rank_0(self.session.description)
 
-    def _resumed_run_id(self, iteration: int) -> str | None:
+    def _resumed_run_id(self, iteration: int | None) -> str | None:
         if not iteration:
             return None
         path = os.path.join(self.args.load, STATE_FILE.format(iteration))
@@ -129,97 +80,19 @@ class DMIRuntime:
         with open(path, encoding="utf-8") as f:
             return json.load(f)["run_id"]
 
-    def _write_run_info(self, model_config) -> None:
-        config = {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in vars(self.config).items() if k != "clickhouse_password"}
-        args = self.args
-        model = provenance.model_summary(
-            model_config, seq_length=getattr(args, "seq_length", None), vocab_size=getattr(args, "padded_vocab_size", None),
-            micro_batch_size=getattr(args, "micro_batch_size", None), global_batch_size=getattr(args, "global_batch_size", None),
-        )
-        self.sink.write_run(
-            RunInfo(
-                run_id=self.run_id,
-                attempt=self.attempt,
-                resumed_from_iteration=self.resumed_from,
-                config=config,
-                coords=self.coords,
-                layers=sorted(self.hooks.layers),
-                world_size=torch.distributed.get_world_size() if _dist() else 1,
-                model=model,
-                layout=provenance.parallel_layout(),
-                command_line=sys.argv,
-            )
-        )
-
     # -- the training loop ------------------------------------------------------------------
-    def attach(self, chunks: list) -> None:
-        """Hooks on every model chunk (index = virtual pipeline stage), then this rank's topology row."""
-        new = False
-        for vpp, chunk in enumerate(chunks):
-            inner = _unwrap(chunk)
-            if id(inner) not in self._chunks:
-                self._chunks[id(inner)] = vpp
-                self.hooks.attach(inner, vpp)
-                new = True
-        if new:
-            self._write_run_info(getattr(_unwrap(chunks[0]), "config", None))
-
     def end_training(self) -> None:
         """The training loop returned: later forwards (pretrain's final evaluations) are not captured."""
-        self._training_done = True
-        self.capture.begin_step("done", -1)
-        if self._device_context:
-            self.transport.set_gate_word(0)
+        self.session.end_capture()
 
     def before_forward(self, model: torch.nn.Module) -> None:
-        if self._training_done:
-            return
-        chunk = _unwrap(model)
-        chunk_id = id(chunk)
-        if chunk_id not in self._chunks:  # a chunk built outside the training loop's list
-            self.attach([chunk])
-        phase = "train" if model.training else "valid"
         # Megatron sets curr_iteration to the number of completed iterations before each step; the
         # evaluation after step N runs with it unchanged, so it belongs to iteration N too.
-        step = (phase, self.args.curr_iteration + 1)
-        if step != self._step:
-            self._step = step
-            self._microbatch.clear()
-            self.capture.begin_step(*step)
-            self._write_new_drops()
-            if self._device_context:
-                self.transport.set_gate_word(GATE_ORIGINAL if self.capture.step.active else 0)
-        # Every schedule (1F1B, interleaved) runs one model chunk's forwards in microbatch order, so
-        # counting calls per chunk gives the microbatch index; evaluation continues the count over
-        # its eval-iters batches (batch b, microbatch m -> b * microbatches + m).
-        microbatch = self._microbatch.get(chunk_id, 0)
-        self._microbatch[chunk_id] = microbatch + 1
-        self.capture.set_microbatch(microbatch)
-        if self._device_context and self.capture.step.active:
-            self.transport.set_context(iteration=step[1], microbatch=microbatch, attempt=self.attempt,
-                                       phase=step[0], invocation=0)
-
-    def _write_new_drops(self) -> None:
-        keys = self.capture.stats.dropped_keys
-        if len(keys) > self._drops_written:
-            self.sink.write_drops(keys[self._drops_written :], reason="ring full (--dmi-on-full drop)")
-            self._drops_written = len(keys)
+        # Evaluation continues the microbatch count over its eval-iters batches.
+        self.session.before_forward(model, self.args.curr_iteration + 1)
 
     def flush(self) -> None:
-        self._write_new_drops()
-        self.drain.flush()
-
-    def status_line(self) -> str:
-        t = self.transport.stats
-        lag = self.sink.store_lag()
-        store = f"store lag: {lag} records" if lag is not None else f"store: none ({self.config.persist})"
-        return (
-            f" DMI | captured: {t.published} records {t.published_bytes / 2**20:.1f} MiB |"
-            f" dropped: {t.dropped} | drain lag: {self.drain.lag_records} records |"
-            f" persisted: {self.drain.records_persisted} records | {store} |"
-            f" replays rejected: {self.capture.stats.replays_rejected} |"
-            + (f" waited for ring space: {t.blocked_seconds:.2f} s ({t.blocked} records) |" if t.blocked else "")
-        )
+        self.session.flush()
 
     def _patch_training_loop(self) -> None:
         """Checkpoint saves flush DMI and store its state; the log interval prints DMI's line."""
@@ -231,7 +104,7 @@ class DMIRuntime:
             out = save(iteration, *args, **kwargs)
             save_dir = runtime.args.save
             if save_dir and (not _dist() or torch.distributed.get_rank() == 0):
-                state = {"run_id": runtime.run_id, "attempt": runtime.attempt, "iteration": iteration}
+                state = runtime.session.state(iteration)
                 tmp = os.path.join(save_dir, STATE_FILE.format(iteration) + ".tmp")
                 with open(tmp, "w", encoding="utf-8") as f:
                     json.dump(state, f)
@@ -243,7 +116,7 @@ class DMIRuntime:
             iteration = runtime.args.curr_iteration + 1
             last_rank = not _dist() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
             if last_rank and iteration % runtime.args.log_interval == 0:
-                print(runtime.status_line(), flush=True)
+                print(runtime.session.status_line(), flush=True)
             return out
 
         mt_training.save_checkpoint = save_checkpoint
@@ -253,31 +126,4 @@ class DMIRuntime:
     # -- the end ----------------------------------------------------------------------------
     def close(self) -> None:
         mt_training.save_checkpoint, mt_training.training_log = self._restore
-        self.flush()
-        self.drain.close()
-        self.hooks.remove()
-        self.transport.close()
-        ingester = getattr(self.sink, "is_ingester", False)
-        report = None if ingester else self.sink.close()
-        if _dist() and torch.distributed.get_world_size() > 1:
-            torch.distributed.barrier()  # every rank's spool is complete before the final ingest
-        if ingester:
-            report = self.sink.close()
-        self._print_report(report)
-
-    def _print_report(self, report: SinkReport) -> None:
-        t = self.transport.stats
-        line = (
-            f"rank {self.coords.rank}: captured {t.published} records ({t.published_bytes} B), "
-            f"written {report.records_written} ({report.bytes_written} B), spooled {report.records_spooled}, "
-            f"dropped {t.dropped + report.records_dropped}, replays rejected {self.capture.stats.replays_rejected}"
-            + (f", waited for ring space {t.blocked_seconds:.2f} s ({t.blocked} records): raise --dmi-ring-mb"
-               " or see docs/troubleshooting.md" if t.blocked else "")
-            + (f", errors: {'; '.join(report.errors)}" if report.errors else "")
-        )
-        lines = [line]
-        if _dist() and torch.distributed.get_world_size() > 1:
-            gathered = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(gathered, line)
-            lines = gathered
-        print_rank_0("DMI end-of-run report (run {} attempt {}):\n  {}".format(self.run_id, self.attempt, "\n  ".join(lines)))
+        print_rank_0(self.session.close().text)

@@ -10,7 +10,7 @@ import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.training.dmi import cpu_mode
+from megatron.core.dmi import cpu_mode
 
 
 def _port() -> int:

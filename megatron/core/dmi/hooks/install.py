@@ -28,7 +28,7 @@ def rank_coords(vpp: int = 0) -> ParallelCoords:
 
     def safe(fn: Callable[[], int]) -> int:
         try:
-            return int(fn())
+            return int(fn() or 0)  # an uninitialised group answers None or raises
         except (AssertionError, AttributeError, RuntimeError):
             return 0
 

@@ -1,7 +1,9 @@
 """CPU development mode: the compatibility shim that lets megatron-core 0.17.1 train on a CPU.
 
-Active only when ``--cpu-dev-mode`` is given to pretrain_gpt.py, or when tests call ``enable()``;
-never otherwise. megatron-core assumes CUDA in a handful of places, and each patch below answers
+Active only when ``--cpu-dev-mode`` is given to pretrain_gpt.py, when tests call ``enable()``, or
+when a megatron-core loop with no GPU asks for it (examples/custom_loop.py); never otherwise. It
+lives in megatron.core.dmi so that such loops need nothing of ``megatron.training``; the patches
+for ``megatron.training`` are added only with ``enable(training=True)``. megatron-core assumes CUDA in a handful of places, and each patch below answers
 exactly one of them:
 
 * ``device='cuda'`` literals, ``Tensor.cuda()`` and ``torch.cuda.current_device()`` as a device:
@@ -130,12 +132,21 @@ def _torch_norm_with_sequence_parallel(original_new):
     return staticmethod(__new__)
 
 
+def _training_patches() -> list[tuple[object, str, object]]:
+    import megatron.training.arguments as mt_arguments
+    import megatron.training.initialize as mt_init
+
+    return [
+        (mt_init, "_warmup_jit_function", lambda: None),
+        # Argument validation asks the GPU's compute capability when TP or CP > 1 (for a
+        # CUDA_DEVICE_MAX_CONNECTIONS rule that needs a GPU): answer as a device without that rule.
+        (mt_arguments, "get_device_arch_version", lambda: 10),
+    ]
+
+
 def _patches() -> list[tuple[object, str, object]]:
     from megatron.core.tensor_parallel import random as tp_random
-
-    import megatron.training.arguments as mt_arguments
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    import megatron.training.initialize as mt_init
 
     cuda = torch.cuda
     return [
@@ -164,10 +175,6 @@ def _patches() -> list[tuple[object, str, object]]:
         (torch.accelerator, "current_stream", lambda *a, **k: _NullStream()),  # optimizers ask it
         (tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
         (tp_random, "_set_cuda_rng_state", lambda new_state, *a, **k: torch.set_rng_state(new_state)),
-        (mt_init, "_warmup_jit_function", lambda: None),
-        # Argument validation asks the GPU's compute capability when TP or CP > 1 (for a
-        # CUDA_DEVICE_MAX_CONNECTIONS rule that needs a GPU): answer as a device without that rule.
-        (mt_arguments, "get_device_arch_version", lambda: 10),
         (WrappedTorchNorm, "__new__", _torch_norm_with_sequence_parallel(WrappedTorchNorm.__new__)),
         (torch.distributed, "all_to_all_single", _all_to_all_with_list_splits(torch.distributed.all_to_all_single)),
         (tp_random.CheckpointFunction, "backward", staticmethod(_with_mode(tp_random.CheckpointFunction.backward))),
@@ -181,12 +188,13 @@ _saved: list[tuple[object, str, object]] = []
 _mode: _CudaToCpu | None = None
 
 
-def enable() -> None:
-    """Install the shim in this process (idempotent)."""
+def enable(training: bool = False) -> None:
+    """Install the shim in this process (idempotent); ``training`` adds the patches for
+    ``megatron.training`` (pretrain_gpt.py's CPU development mode)."""
     global _mode
     if _mode is not None:
         return
-    for obj, name, value in _patches():
+    for obj, name, value in _patches() + (_training_patches() if training else []):
         try:
             original = inspect.getattr_static(obj, name)  # keeps staticmethods intact
         except AttributeError:  # config modules serve attributes dynamically

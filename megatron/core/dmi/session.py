@@ -1,0 +1,291 @@
+"""DMISession: Deep Model Inspection for any training loop built on megatron-core.
+
+A session owns one process's capture pipeline (hooks -> capture -> transport -> drain -> sink) and
+takes the step context from the loop that drives it::
+
+    session = DMISession(DMIConfig(hooks=..., store_dir="dmi_store"))   # every rank, same point
+    session.attach(model_chunks)                  # one chunk per virtual pipeline stage
+    for iteration in range(1, iterations + 1):    # 1-based, as Megatron logs them
+        for microbatch_batch in batches:
+            session.before_forward(chunk, iteration)   # before every forward of a chunk
+            ...forward / backward...
+        if saving:
+            session.flush()                       # everything captured so far is durable
+            state = session.state(iteration)      # store it with the checkpoint
+    report = session.close()                      # collective; report.text for rank 0's log
+
+Resuming: pass the saved ``state["run_id"]`` as ``resumed_run_id`` and the checkpoint's iteration
+as ``resumed_from_iteration``; the session continues that run under a new attempt, and the reader
+shows each iteration from the latest attempt that captured it.
+
+It uses megatron-core's parallel state only (never ``megatron.training``); ``pretrain_gpt.py``'s
+integration (``megatron/training/dmi/runtime.py``) is one client of it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from megatron.core.dmi import provenance
+from megatron.core.dmi.capture import GATE_ORIGINAL, Capture
+from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.drain import Drain
+from megatron.core.dmi.hooks.install import HookSet, rank_coords
+from megatron.core.dmi.sinks import RunInfo, open_sink
+from megatron.core.dmi.sinks.base import SinkReport
+from megatron.core.dmi.transport import open_transport
+
+
+def _dist() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _world() -> int:
+    return torch.distributed.get_world_size() if _dist() else 1
+
+
+def _broadcast(obj):
+    if _world() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def allocate_attempt(store_dir: str, run_id: str) -> int:
+    """Attempts are numbered by exclusive creation of a marker file, so a crashed attempt that never
+    saved a checkpoint still owns its number and its records stay distinguishable."""
+    folder = os.path.join(store_dir, "attempts", run_id)
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    attempt = 1
+    while True:
+        try:
+            os.close(os.open(os.path.join(folder, str(attempt)), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            return attempt
+        except FileExistsError:
+            attempt += 1
+
+
+def new_run_id() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+
+
+def default_device() -> torch.device:
+    """The current CUDA device where the loop has started using CUDA (its model is there), else the
+    CPU (also under the CPU development shim, which never initialises CUDA)."""
+    if torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass
+class SessionReport:
+    """What a closed session says: this rank's sink report and every rank's one-line summary."""
+
+    run_id: str
+    attempt: int
+    sink: SinkReport
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return f"DMI end-of-run report (run {self.run_id} attempt {self.attempt}):\n  " + "\n  ".join(self.lines)
+
+
+class DMISession:
+    """One process's DMI pipeline. Construct it on every rank at the same point of the loop: it
+    agrees on the run id and attempt with collectives (rank 0 decides)."""
+
+    def __init__(
+        self,
+        config: DMIConfig,
+        *,
+        resumed_run_id: str | None = None,
+        resumed_from_iteration: int | None = None,
+        device: torch.device | None = None,
+        cuda_graphs: bool = False,
+        run_facts: dict[str, Any] | None = None,
+        command_line: Sequence[str] | None = None,
+    ):
+        """``resumed_run_id``/``resumed_from_iteration``: the state of the checkpoint being resumed
+        (``state()``), or None for a fresh start. ``cuda_graphs``: the model's forwards replay from
+        CUDA graphs, so the step context travels through the device gate and context block.
+        ``run_facts``: values the model config does not hold (sequence length, vocabulary, batch
+        sizes) for the runs table; ``command_line`` defaults to ``sys.argv``."""
+        self.config = config
+        run_id, attempt = None, None
+        if not _dist() or torch.distributed.get_rank() == 0:
+            run_id = config.run_id or resumed_run_id or new_run_id()
+            attempt = allocate_attempt(config.store_dir, run_id)
+        self.run_id, self.attempt = _broadcast((run_id, attempt))
+        self.resumed_from = resumed_from_iteration
+        self.run_facts = dict(run_facts or {})
+        self.command_line = list(sys.argv if command_line is None else command_line)
+        self.coords = rank_coords()
+        self.transport = open_transport(config, device or default_device())
+        self.sink = open_sink(config, self.coords, self.run_id, is_ingester=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+        self.capture = Capture(config, self.transport, self.run_id, self.attempt)
+        self.hooks = HookSet(self.capture)
+        self.drain = Drain(self.transport, self.sink, batch_records=config.flush_records)
+        self._chunks: dict[int, int] = {}  # id(unwrapped chunk) -> virtual pipeline stage
+        self._done = False
+        self._closed = False
+        self._step: tuple[str, int] | None = None
+        self._microbatch: dict[int, int] = {}
+        self._drops_written = 0
+        # Under CUDA graphs the producers replay without Python: the device gate and context block
+        # carry the step, set on the stream before every forward.
+        self._device_context = cuda_graphs
+        if cuda_graphs and not hasattr(self.transport, "publish_site"):
+            raise RuntimeError("DMI: CUDA graphs need the native transport, which could not be built here "
+                               "(run `python -m megatron.core.dmi doctor --build`)")
+
+    @property
+    def description(self) -> str:
+        c = self.config
+        return (f"DMI: run {self.run_id} attempt {self.attempt} capturing {', '.join(sorted(c.hooks))} "
+                f"via {self.transport.name} transport into {c.persist} ({c.clickhouse_url or c.store_dir})")
+
+    # -- model ------------------------------------------------------------------------------
+    def attach(self, chunks: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
+        """Hooks on every model chunk (index = virtual pipeline stage; wrappers such as DDP are
+        looked through), then this rank's row of the runs and topology tables."""
+        chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+        new = False
+        for vpp, chunk in enumerate(chunks):
+            inner = _unwrap(chunk)
+            if id(inner) not in self._chunks:
+                self._chunks[id(inner)] = vpp
+                self.hooks.attach(inner, vpp)
+                new = True
+        if new:
+            self._write_run_info(getattr(_unwrap(chunks[0]), "config", None))
+
+    def _write_run_info(self, model_config) -> None:
+        config = {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in vars(self.config).items()
+                  if k != "clickhouse_password"}
+        self.sink.write_run(
+            RunInfo(
+                run_id=self.run_id,
+                attempt=self.attempt,
+                resumed_from_iteration=self.resumed_from,
+                config=config,
+                coords=self.coords,
+                layers=sorted(self.hooks.layers),
+                world_size=_world(),
+                model=provenance.model_summary(model_config, **self.run_facts),
+                layout=provenance.parallel_layout(),
+                command_line=self.command_line,
+            )
+        )
+
+    # -- the step context -------------------------------------------------------------------
+    def before_forward(self, chunk: torch.nn.Module, iteration: int, phase: str | None = None) -> None:
+        """Call before every forward of a model chunk. ``iteration`` is 1-based; ``phase`` defaults
+        to ``train`` or ``valid`` from the chunk's training flag. The microbatch index is the count
+        of this chunk's forwards within the step (every Megatron schedule runs one chunk's
+        microbatches in order); a new (phase, iteration) starts a new step."""
+        if self._done:
+            return
+        inner = _unwrap(chunk)
+        if id(inner) not in self._chunks:  # a chunk built outside the loop's list
+            self.attach([inner])
+        step = (phase or ("train" if chunk.training else "valid"), int(iteration))
+        if step != self._step:
+            self._step = step
+            self._microbatch.clear()
+            self.capture.begin_step(*step)
+            self._write_new_drops()
+            if self._device_context:
+                self.transport.set_gate_word(GATE_ORIGINAL if self.capture.step.active else 0)
+        microbatch = self._microbatch.get(id(inner), 0)
+        self._microbatch[id(inner)] = microbatch + 1
+        self.capture.set_microbatch(microbatch)
+        if self._device_context and self.capture.step.active:
+            self.transport.set_context(iteration=step[1], microbatch=microbatch, attempt=self.attempt,
+                                       phase=step[0], invocation=0)
+
+    def end_capture(self) -> None:
+        """Later forwards (e.g. evaluations after the loop) are not captured."""
+        self._done = True
+        self.capture.begin_step("done", -1)
+        if self._device_context:
+            self.transport.set_gate_word(0)
+
+    def _write_new_drops(self) -> None:
+        keys = self.capture.stats.dropped_keys
+        if len(keys) > self._drops_written:
+            self.sink.write_drops(keys[self._drops_written :], reason="ring full (--dmi-on-full drop)")
+            self._drops_written = len(keys)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Returns once every record captured so far is in the spool or store and durable."""
+        self._write_new_drops()
+        self.drain.flush()
+
+    def state(self, iteration: int) -> dict[str, Any]:
+        """What to save with the checkpoint of ``iteration`` to resume this run later."""
+        return {"run_id": self.run_id, "attempt": self.attempt, "iteration": int(iteration)}
+
+    # -- progress ---------------------------------------------------------------------------
+    def status_line(self) -> str:
+        t = self.transport.stats
+        lag = self.sink.store_lag()
+        store = f"store lag: {lag} records" if lag is not None else f"store: none ({self.config.persist})"
+        return (
+            f" DMI | captured: {t.published} records {t.published_bytes / 2**20:.1f} MiB |"
+            f" dropped: {t.dropped} | drain lag: {self.drain.lag_records} records |"
+            f" persisted: {self.drain.records_persisted} records | {store} |"
+            f" replays rejected: {self.capture.stats.replays_rejected} |"
+            + (f" waited for ring space: {t.blocked_seconds:.2f} s ({t.blocked} records) |" if t.blocked else "")
+        )
+
+    # -- the end ----------------------------------------------------------------------------
+    def close(self) -> SessionReport:
+        """Flush, stop and close everything; collective on multi-rank runs (non-ingesting ranks
+        finish their spool before the node's ingester makes its final pass). Idempotent."""
+        if self._closed:
+            return self._report
+        self._closed = True
+        self.flush()
+        self.drain.close()
+        self.hooks.remove()
+        self.transport.close()
+        ingester = getattr(self.sink, "is_ingester", False)
+        report = None if ingester else self.sink.close()
+        if _world() > 1:
+            torch.distributed.barrier()  # every rank's spool is complete before the final ingest
+        if ingester:
+            report = self.sink.close()
+        lines = [self._report_line(report)]
+        if _world() > 1:
+            gathered = [None] * _world()
+            torch.distributed.all_gather_object(gathered, lines[0])
+            lines = gathered
+        self._report = SessionReport(self.run_id, self.attempt, report, lines)
+        return self._report
+
+    def _report_line(self, report: SinkReport) -> str:
+        t = self.transport.stats
+        return (
+            f"rank {self.coords.rank}: captured {t.published} records ({t.published_bytes} B), "
+            f"written {report.records_written} ({report.bytes_written} B), spooled {report.records_spooled}, "
+            f"dropped {t.dropped + report.records_dropped}, replays rejected {self.capture.stats.replays_rejected}"
+            + (f", waited for ring space {t.blocked_seconds:.2f} s ({t.blocked} records): raise --dmi-ring-mb"
+               " or see docs/troubleshooting.md" if t.blocked else "")
+            + (f", errors: {'; '.join(report.errors)}" if report.errors else "")
+        )
