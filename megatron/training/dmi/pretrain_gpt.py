@@ -1,10 +1,12 @@
 """Pretrain a GPT (dense or MoE) with megatron-core 0.17.1, with Deep Model Inspection built in.
 
-    torchrun --nproc-per-node N pretrain_gpt.py <usual Megatron args> \
+    torchrun --nproc-per-node N -m megatron.training.dmi.pretrain_gpt <usual Megatron args> \
         --dmi-hooks router,attn --dmi-persist clickhouse
 
-With no --dmi-* flag this trains exactly like upstream: DMI installs nothing. ``--cpu-dev-mode``
-runs a (tiny) model on a machine without a GPU, for trying DMI out and for CI.
+The same entry is installed as the ``megatron-dmi-pretrain-gpt`` console script, and the
+repository's ``pretrain_gpt.py`` is a thin wrapper over it. With no --dmi-* flag this trains
+exactly like upstream: DMI installs nothing. ``--cpu-dev-mode`` runs a (tiny) model on a machine
+without a GPU, for trying DMI out and for CI.
 """
 
 from __future__ import annotations
@@ -14,25 +16,21 @@ from functools import partial
 
 import torch
 
-from megatron.training.dmi import entry
-
-# Must run before megatron.training touches CUDA or the dataset helpers.
-entry.prepare_process(sys.argv)
-
-from megatron.core import parallel_state as mpu  # noqa: E402
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa: E402
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: E402
-from megatron.core.enums import ModelType  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+from megatron.core import parallel_state as mpu
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
-from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0  # noqa: E402
-from megatron.training.arguments import core_transformer_config_from_args  # noqa: E402
-from megatron.training.utils import get_blend_and_blend_per_split  # noqa: E402
+from megatron.core.utils import get_batch_on_this_cp_rank
+from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
+from megatron.training.arguments import core_transformer_config_from_args
+from megatron.training.dmi import entry
+from megatron.training.utils import get_blend_and_blend_per_split
 
 
 def layer_spec(args, config, vp_stage):
@@ -138,6 +136,8 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 def main():
+    # Before megatron.training initialises: --help, argument errors, the CPU mode or the no-GPU message.
+    entry.prepare_process(sys.argv)
     try:
         pretrain(
             train_valid_test_datasets_provider,
