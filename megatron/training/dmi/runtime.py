@@ -19,6 +19,7 @@ import torch
 
 import megatron.training.training as mt_training
 from megatron.training import get_args, print_rank_0
+from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
 from megatron.core.dmi import __version__ as dmi_version
 from megatron.core.dmi.capture import GATE_ORIGINAL, Capture
@@ -30,6 +31,7 @@ from megatron.core.dmi.sinks.base import SinkReport
 from megatron.core.dmi.transport import open_transport
 from megatron.training.dmi.arguments import config_from_args
 from megatron.training.dmi.entry import compute_device
+from megatron.training.dmi.scalars import RouterScalars, wanted as scalars_wanted
 
 STATE_FILE = "dmi_state_iter_{:07d}.json"
 
@@ -102,6 +104,7 @@ class DMIRuntime:
         self.capture = Capture(config, self.transport, self.run_id, self.attempt)
         self.hooks = HookSet(self.capture)
         self.drain = Drain(self.transport, self.sink, batch_records=config.flush_records)
+        self.scalars = self._router_scalars() if scalars_wanted(args, config.hooks) else None
         self._chunks: dict[int, int] = {}  # id(unwrapped chunk) -> virtual pipeline stage
         self._training_done = False
         self._step: tuple[str, int] | None = None
@@ -119,6 +122,17 @@ class DMIRuntime:
             f"DMI: run {self.run_id} attempt {self.attempt} capturing {', '.join(sorted(config.hooks))} "
             f"via {self.transport.name} transport into {config.persist} ({config.clickhouse_url or config.store_dir})"
         )
+
+    def _router_scalars(self) -> RouterScalars:
+        """TensorBoard/W&B scalars from the router outputs this run captures (see scalars.py)."""
+        args, config = self.args, self.config
+        scalars = RouterScalars(
+            args.num_layers, args.num_experts, args.moe_router_score_function, compute_device(),
+            lambda first, last: sum(config.captures_iteration("train", i) for i in range(first, last + 1)),
+            start_iteration=args.iteration,
+        )
+        self.capture.observers.append(scalars.observe)
+        return scalars
 
     def _resumed_run_id(self, iteration: int) -> str | None:
         if not iteration:
@@ -236,6 +250,8 @@ class DMIRuntime:
             out = log(*args, **kwargs)
             iteration = runtime.args.curr_iteration + 1
             last_rank = not _dist() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+            if runtime.scalars is not None and iteration % runtime.args.log_interval == 0:
+                runtime.scalars.write(iteration, get_tensorboard_writer(), get_wandb_writer())  # every rank
             if last_rank and iteration % runtime.args.log_interval == 0:
                 print(runtime.status_line(), flush=True)
             return out
