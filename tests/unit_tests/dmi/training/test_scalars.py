@@ -40,16 +40,24 @@ def test_normalised_entropy_spans_one_hot_to_uniform():
         assert peaked == pytest.approx(0.0, abs=1e-6)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+# One process; and two pipeline stages, where layer 0 lives on rank 0 and Megatron's writer on rank 1.
+LAYOUTS = {"one-rank": (1, []), "pp2": (2, ["--pipeline-model-parallel-size", "2"])}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def run(request, tmp_path_factory):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    nproc, layout = LAYOUTS[request.param]
     tmp = str(tmp_path_factory.mktemp("scalars"))
-    run_pretrain(tiny_moe_args() + ["--dmi-hooks", "router", "--dmi-persist", "none",
-                                    "--tensorboard-dir", f"{tmp}/tb"], tmp)
+    run_pretrain(tiny_moe_args() + layout + ["--dmi-hooks", "router", "--dmi-persist", "none",
+                                             "--tensorboard-dir", f"{tmp}/tb"], tmp, nproc=nproc)
     events = EventAccumulator(f"{tmp}/tb", size_guidance={"scalars": 0, "histograms": 0})
     events.Reload()
-    return events, load_oracle(tmp)
+    oracle = {}
+    for rank in range(nproc):
+        oracle.update(load_oracle(tmp, rank))
+    return events, oracle
 
 
 def _expected(oracle, iteration: int, layer: int) -> tuple[torch.Tensor, float]:
