@@ -20,7 +20,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-import pretrain_gpt  # noqa: E402  (its import prepares the process exactly as a real run)
+from megatron.training.dmi import pretrain_gpt  # noqa: E402  (its main() prepares the process as a real run)
 
 from megatron.training.dmi import runtime as dmi_runtime  # noqa: E402
 

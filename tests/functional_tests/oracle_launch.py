@@ -23,7 +23,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-import pretrain_gpt  # noqa: E402  (its import prepares the process exactly as a real run)
+from megatron.training.dmi import pretrain_gpt  # noqa: E402  (its main() prepares the process as a real run)
 
 import megatron.training.training as mt_training  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402

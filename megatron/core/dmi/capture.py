@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -81,6 +82,9 @@ class Capture:
         self._awaiting_replay: dict[tuple, collections.deque[int]] = collections.defaultdict(collections.deque)
         # (output, layer, coords, placement, dtype, shape) -> (site key, transport handle), made once
         self._sites: dict[tuple, tuple[RecordKey, object]] = {}
+        # Called with (layer, step, outputs) for every eager original forward firing that publishes,
+        # e.g. the training side's TensorBoard scalars; they must not sync with the device.
+        self.observers: list[Callable[[int, StepContext, dict[str, torch.Tensor]], None]] = []
 
     def begin_step(self, phase: str, iteration: int) -> None:
         self.step = StepContext(phase, iteration, 0, self.config.captures_iteration(phase, iteration))
@@ -116,6 +120,9 @@ class Capture:
             firings.append(firing)
             sites.append(site)
         accepted = self.transport.publish_firings(handles, list(tensors.values()), firings)
+        if not replaying:
+            for observe in self.observers:
+                observe(layer, self.step, tensors)
         for site, firing, ok in zip(sites, firings, accepted):
             if not ok:
                 self.stats.dropped_keys.append(site.fired(firing))

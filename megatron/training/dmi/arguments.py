@@ -222,6 +222,10 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
     shape = model_shape(args)
     if any(o.startswith("router.") for o in args.dmi_hooks) and not args.num_experts:
         _fail("--dmi-hooks", "router outputs need a MoE model (--num-experts)")
+    beyond = [layer for layer in args.dmi_layers or () if layer >= args.num_layers]
+    if beyond:
+        _fail("--dmi-layers", f"layer(s) {', '.join(map(str, beyond))} not in this model: --num-layers "
+                              f"{args.num_layers} has layers 0-{args.num_layers - 1}")
     largest = max(record_bytes(o, shape) for o in args.dmi_hooks)
     if largest > args.dmi_ring_mb * (1 << 20):
         _fail("--dmi-ring-mb", f"{args.dmi_ring_mb} MiB cannot hold one record of {largest} bytes; use at least "

@@ -3,6 +3,7 @@ forward-step wrapper that activates DMI inside ``megatron.training.pretrain``.""
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import sys
@@ -11,6 +12,9 @@ from typing import Callable
 import torch
 
 CPU_DEV_FLAG = "--cpu-dev-mode"
+# Upstream's usage line lists every one of its ~1000 flags (about 640 lines) before each argument
+# error; ours names the kinds of flags and where the full list is.
+SHORT_USAGE = "%(prog)s [Megatron arguments] [--dmi-* arguments] [--cpu-dev-mode]  (all flags: %(prog)s --help)"
 # Flags the CPU mode needs because megatron-core cannot honour them on a CPU (see cpu_mode.py).
 CPU_REQUIRED_FLAGS = {"--clip-grad": "0", "--num-workers": "0", "--distributed-backend": "gloo"}
 
@@ -51,8 +55,27 @@ def _validate_dmi_after_megatron() -> None:
     mt_init.validate_args = validate
 
 
+def _parse_up_front(argv: list[str]) -> None:
+    """``--help`` and argument errors before anything needs a GPU, with DMI's flags in the parser.
+
+    megatron-core's first parse (``ft_integration.setup``) knows no extra provider, so its --help
+    would list no --dmi-* flag; this parser is upstream's flags plus DMI's, as Megatron's own later
+    parse builds it, and it stops the process (help: exit 0; bad value: exit 2) before any set-up.
+    """
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(
+        prog=os.path.basename(argv[0]), allow_abbrev=False,
+        description="Pretrain a GPT with megatron-core and Deep Model Inspection (the --dmi-* flags).",
+    )
+    extra_args_provider()(add_megatron_arguments(parser))
+    parser.parse_args(argv[1:])
+
+
 def prepare_process(argv: list[str]) -> None:
-    """Run before megatron.training initialises: wheel gaps, DMI validation, the CPU development mode."""
+    """Run before megatron.training initialises: --help and argument errors, wheel gaps, DMI
+    validation, the CPU development mode."""
+    _parse_up_front(argv)
     _use_prebuilt_dataset_helpers()
     _validate_dmi_after_megatron()
     if CPU_DEV_FLAG in argv:
@@ -86,6 +109,7 @@ def extra_args_provider(chain: Callable | None = None) -> Callable:
     def provider(parser):
         from megatron.training.dmi.arguments import add_dmi_args
 
+        parser.usage = SHORT_USAGE
         add_dmi_args(parser)
         parser.add_argument_group("entry").add_argument(
             CPU_DEV_FLAG, action="store_true", help="run on the CPU (tiny models; gloo; for trying DMI and for CI)"

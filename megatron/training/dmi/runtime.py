@@ -18,11 +18,13 @@ import torch
 
 import megatron.training.training as mt_training
 from megatron.training import get_args, print_rank_0
+from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.session import DMISession
 from megatron.training.dmi.arguments import config_from_args
 from megatron.training.dmi.entry import compute_device
+from megatron.training.dmi.scalars import RouterScalars, wanted as scalars_wanted
 
 STATE_FILE = "dmi_state_iter_{:07d}.json"
 
@@ -67,9 +69,21 @@ class DMIRuntime:
                        "global_batch_size": getattr(args, "global_batch_size", None)},
         )
         self.run_id, self.attempt = self.session.run_id, self.session.attempt
+        self.scalars = self._router_scalars() if scalars_wanted(args, config.hooks) else None
         self._patch_training_loop()
         atexit.register(DMIRuntime.shutdown)
         print_rank_0(self.session.description)
+
+    def _router_scalars(self) -> RouterScalars:
+        """TensorBoard/W&B scalars from the router outputs this run captures (see scalars.py)."""
+        args, config = self.args, self.config
+        scalars = RouterScalars(
+            args.num_layers, args.num_experts, args.moe_router_score_function, compute_device(),
+            lambda first, last: sum(config.captures_iteration("train", i) for i in range(first, last + 1)),
+            start_iteration=args.iteration,
+        )
+        self.session.capture.observers.append(scalars.observe)
+        return scalars
 
     def _resumed_run_id(self, iteration: int | None) -> str | None:
         if not iteration:
@@ -115,6 +129,8 @@ class DMIRuntime:
             out = log(*args, **kwargs)
             iteration = runtime.args.curr_iteration + 1
             last_rank = not _dist() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+            if runtime.scalars is not None and iteration % runtime.args.log_interval == 0:
+                runtime.scalars.write(iteration, get_tensorboard_writer(), get_wandb_writer())  # every rank
             if last_rank and iteration % runtime.args.log_interval == 0:
                 print(runtime.session.status_line(), flush=True)
             return out

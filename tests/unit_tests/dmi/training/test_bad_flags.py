@@ -16,6 +16,8 @@ CASES = {
     "unreachable server": (["--dmi-hooks", "router", "--dmi-clickhouse-url", "http://127.0.0.1:1"],
                            "--dmi-clickhouse-url", "unreachable"),
     "context parallelism": (["--dmi-hooks", "router", "--context-parallel-size", "2"], "--dmi-hooks", "context"),
+    "layers beyond the model": (["--dmi-hooks", "router", "--dmi-layers", "1,5"], "--dmi-layers",
+                                "layer(s) 5 not in this model: --num-layers 2 has layers 0-1"),
 }
 
 
@@ -31,6 +33,18 @@ def test_bad_flag_fails_before_the_model_is_built(case, tmp_path):
     assert error and detail in error[-1], out[-2000:]
     assert "Traceback" not in out
     assert "building GPT model" not in out
+
+
+def test_a_value_argparse_rejects_prints_one_short_usage_line_before_the_error(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny_moe_args(), "--cpu-dev-mode",
+                        "--dmi-hooks", "router", "--dmi-interval", "0"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert p.returncode == 2
+    lines = p.stderr.splitlines()
+    error = next(i for i, line in enumerate(lines) if "error: argument --dmi-interval" in line)
+    # upstream's usage line alone lists every Megatron flag over ~640 lines
+    assert lines[error - 1].startswith("usage: pretrain_gpt.py ") and len(lines[error - 1]) < 160, lines[error - 1]
+    assert "--help" in lines[error - 1]
 
 
 def test_no_gpu_without_cpu_mode_says_what_to_do(tmp_path):
