@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal
 
+from megatron.core.dmi.errors import DMIError
+
 Combine = Literal["concat", "sum"]
 
 
@@ -112,7 +114,7 @@ def record_bytes(output: str, model: ModelShape) -> int:
     return n
 
 
-class HookSelectionError(ValueError):
+class HookSelectionError(DMIError, ValueError):
     pass
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron.core.dmi.errors import DMIError
 
-class LayerRangeError(ValueError):
+
+class LayerRangeError(DMIError, ValueError):
     pass
 
 

@@ -21,10 +21,11 @@ from typing import Iterable, Sequence
 import torch
 
 from megatron.core.dmi import catalog
+from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.records import Record
 
 
-class ReconstructionError(RuntimeError):
+class ReconstructionError(DMIError, RuntimeError):
     """The stored shards do not form exactly one full tensor (gap, overlap, conflict, corruption)."""
 
 

@@ -21,6 +21,7 @@ import pandas as pd
 import pyarrow as pa
 import torch
 
+from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.records import TENSOR_SCHEMA, Record, RecordKey
 from megatron.core.dmi.reader.reconstruct import ReconstructionError, reconstruct
 from megatron.core.dmi.sinks import schema as S
@@ -37,7 +38,7 @@ _VISIBLE = ("attempt = transform(concat(phase, ':', toString(iteration)), {vis_k
             "{vis_attempts:Array(Int32)}, toInt32(-1))")
 
 
-class StoreError(RuntimeError):
+class StoreError(DMIError, RuntimeError):
     pass
 
 

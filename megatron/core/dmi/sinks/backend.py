@@ -19,14 +19,15 @@ from typing import Any
 
 import pyarrow as pa
 
+from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.sinks import schema as S
 
 
-class StoreBusyError(RuntimeError):
+class StoreBusyError(DMIError, RuntimeError):
     """Another process holds the embedded store (chDB allows one process per store path)."""
 
 
-class BackendError(RuntimeError):
+class BackendError(DMIError, RuntimeError):
     pass
 
 
@@ -224,7 +225,7 @@ PASSWORD_ENV = "DMI_CLICKHOUSE_PASSWORD"
 PASSWORD_FILE_ENV = "DMI_CLICKHOUSE_PASSWORD_FILE"
 
 
-class ServerURLError(ValueError):
+class ServerURLError(DMIError, ValueError):
     pass
 
 

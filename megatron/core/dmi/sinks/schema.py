@@ -14,6 +14,7 @@ import re
 
 import pyarrow as pa
 
+from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.records import COORD_COLUMNS, KEY_COLUMNS, TENSOR_SCHEMA
 
 SCHEMA_VERSION = 2
@@ -22,11 +23,11 @@ DEFAULT_DATABASE = "dmi"
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 
 
-class SchemaVersionError(RuntimeError):
+class SchemaVersionError(DMIError, RuntimeError):
     """The store was written with another DMI schema version."""
 
 
-class IdentifierError(ValueError):
+class IdentifierError(DMIError, ValueError):
     """A database or table name that is not a plain identifier."""
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, RecordKey, descriptor_table, table_nbytes
 from megatron.core.dmi.sinks import schema as S
 
@@ -53,7 +54,7 @@ META_RUN = b"dmi.run_id"
 _DICT_COLUMNS = ["run_id", "phase", "output", "dtype", "reason", "hostname", "sink"]
 
 
-class CorruptSegmentError(RuntimeError):
+class CorruptSegmentError(DMIError, RuntimeError):
     pass
 
 

@@ -8,6 +8,7 @@ it as a module attribute of the same name.
 
 from __future__ import annotations
 
+from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, Firing
 
 SLOT_ALIGN = 256  # bytes per ring slot unit; keeps every slot aligned for vectorised producer copies
@@ -25,7 +26,7 @@ EXPECTED = {
 }
 
 
-class NativeABIError(RuntimeError):
+class NativeABIError(DMIError, RuntimeError):
     """A native build was compiled with constants this Python package does not share."""
 
 

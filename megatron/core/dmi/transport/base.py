@@ -17,6 +17,7 @@ from typing import Literal
 import pyarrow as pa
 import torch
 
+from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.records import Firing, Record, RecordKey, records_to_table
 from megatron.core.dmi.transport.abi import SLOT_ALIGN
 
@@ -30,7 +31,7 @@ def capturing_graph() -> bool:
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
-class RingTooSmallError(ValueError):
+class RingTooSmallError(DMIError, ValueError):
     """A single record can never fit in the ring."""
 
 

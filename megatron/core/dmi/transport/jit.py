@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.transport import abi
 
 HOST_SOURCES = ("host_ring.cpp",)
@@ -38,7 +39,7 @@ _loaded: dict[str, object] = {}
 _timings: dict[str, dict] = {}
 
 
-class NativeBuildError(RuntimeError):
+class NativeBuildError(DMIError, RuntimeError):
     """The native ring cannot be built or loaded here (the torch transport stays usable)."""
 
 
