@@ -60,8 +60,9 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from hook_clock import HookClock  # benchmarks/ is the script directory
 
 MOE_ARMS = ("off", "off_again", "router", "router_attn", "router_attn_py", "router_attn_shm", "sync_cpu", "pinned", "torch_ring")
 SHM_SPOOL = "/dev/shm/dmi_bench_spool"
@@ -152,55 +153,6 @@ class DMIArm:
                 # arm_wall_s it says how close the writer runs to falling behind capture
                 **({f"writer_{k[:-3]}_s": writer[k] / 1e9 for k in ("checksum_ns", "write_ns", "sync_ns")}
                    if writer else {})}
-
-
-class HookClock:
-    """Host time spent in DMI's capture code per step. An eager MoE step here is host-bound (the
-    dispatcher syncs every layer), so every host microsecond of a hook is on the step's critical
-    path: this sum bounds DMI's direct cost far more tightly than step-time A/B, whose host jitter
-    (several % per step) hides differences under 1 %. Wrapped around DMI's sites (outer) and around
-    the router's own routing inside them (inner); DMI's time is outer minus inner."""
-
-    def __init__(self, model):
-        self.model = model
-        self.outer_s = self.inner_s = 0.0
-        self.calls = 0
-
-    def _clock(self, fn, outer: bool):
-        def timed_call(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                dt = time.perf_counter() - t0
-                if outer:
-                    self.outer_s += dt
-                    self.calls += 1
-                else:
-                    self.inner_s += dt
-        return timed_call
-
-    def routers(self):
-        return [m for m in self.model.modules() if isinstance(m, TopKRouter)]
-
-    def before_attach(self) -> None:
-        for r in self.routers():  # DMI's wrapper will call this clocked routing as its original
-            r.routing = self._clock(r.routing, outer=False)
-
-    def after_attach(self) -> None:
-        for r in self.routers():
-            r.routing = self._clock(r.routing, outer=True)
-        for m in self.model.modules():
-            if isinstance(m, TransformerLayer):
-                hooks = m.self_attention.core_attention._forward_hooks
-                for k, fn in list(hooks.items()):
-                    hooks[k] = self._clock(fn, outer=True)
-
-    def take_ms(self) -> float:
-        """DMI host ms since the last call."""
-        ms = (self.outer_s - self.inner_s) * 1000
-        self.outer_s = self.inner_s = 0.0
-        return ms
 
 
 class PlainHooks:
@@ -379,11 +331,10 @@ def clock_hooks(a, model, opt, ids, pos, arm: str, spool_root: str) -> dict:
             dmi.step()
             timed(lambda: train_step(model, opt, ids, pos))
             if i >= a.warmup:
+                calls += clock.calls
                 per_step.append(clock.take_ms())
             else:
                 clock.take_ms()
-                clock.calls = 0
-        calls += clock.calls
         dmi.detach()
         dmi.close()
     return {"dmi_hook_host_ms_median": statistics.median(per_step), "dmi_hook_host_ms_samples": per_step,
