@@ -12,7 +12,8 @@
 //           payloads back to back, pad
 // A segment is written as `.<seq>.dmiraw.<pid>.tmp` and renamed to `<seq 08d>.dmiraw` when complete
 // (its size reached, segment_seconds after its first record, or a flush); a killed process leaves
-// only the temporary file. On a write error the segment is cut back to its last whole block and kept: only the failing block is lost.
+// only the temporary file. On a write error the segment is cut back to its last whole block and
+// kept: only the failing block is lost.
 #pragma once
 
 #include <fcntl.h>
