@@ -23,7 +23,7 @@ from typing import Callable
 SetupFn = Callable[[argparse.ArgumentParser], None]
 _COMMANDS: dict[str, tuple[SetupFn, str]] = {}
 # Modules that register more subcommands when imported (missing ones are skipped).
-EXTRA_COMMAND_MODULES = ["megatron.core.dmi.doctor"]
+EXTRA_COMMAND_MODULES = ["megatron.core.dmi.doctor", "megatron.core.dmi.reader.watch"]
 
 
 def add_subcommand(name: str, setup: SetupFn, help: str) -> None:
