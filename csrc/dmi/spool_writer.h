@@ -77,7 +77,7 @@ struct SpoolConfig {
   uint64_t segment_bytes = 256ull << 20;
   uint64_t linger_bytes = 32ull << 20;  // wait for this much payload per block unless a flush waits
   double poll_s = 0.05;
-  double segment_seconds = 2.0;  // a segment also closes this long after its first record: live readers see it
+  double segment_seconds = 2.0;  // a segment also closes this long after its first record (live readers)
 };
 
 struct SpoolStats {

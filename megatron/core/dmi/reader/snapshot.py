@@ -14,7 +14,8 @@ reader loads the spool into its copy (``ingest_spool(delete=False)``), so a view
 record the run has written to a closed segment, whether or not the ingester has loaded it yet.
 
 Snapshots live in ``<store_dir>/.readers/`` (hard links need the same file system) and are removed
-when the reader closes; ones left by a killed reader of this host are removed by the next one.
+when the reader closes (the folder too, once empty); ones left by a killed reader of this host are
+removed by the next one.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 SNAPSHOTS_DIR = ".readers"
 CHDB_LOCK_FILE = "status"  # chDB's flock'd lock file at the store root: a snapshot gets its own
-_PART_RE = re.compile(r"^(?P<partition>.+)_(?P<min>\d+)_(?P<max>\d+)_(?P<level>\d+)(?:_(?P<mutation>\d+))?$")
+_PART_RE = re.compile(r"^(?P<partition>[^_]+)_(?P<min>\d+)_(?P<max>\d+)_(?P<level>\d+)(?:_(?P<mutation>\d+))?$")
 _TABLE_MARKER = "format_version.txt"  # present in every MergeTree table's data directory
 
 
@@ -45,6 +46,8 @@ class SnapshotStats:
 
 
 def _part_key(name: str) -> tuple[str, int, int, int, int] | None:
+    """(partition, min block, max block, level, mutation) of a part directory name; None for anything
+    else (``detached``, ``tmp_insert_*`` and ``tmp_merge_*`` parts still being written)."""
     m = _PART_RE.match(name)
     if m is None:
         return None
@@ -179,3 +182,7 @@ class ReaderSnapshot:
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(self.path))  # the last reader leaves the store as it found it
+        except OSError:
+            pass  # another reader's snapshot is still there

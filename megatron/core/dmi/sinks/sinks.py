@@ -320,7 +320,7 @@ class SpoolSink(_BufferedSink):
         self._spool(kind, table)
 
     def native_spool_target(self) -> dict | None:
-        return self.spool.native_target(self.segment_bytes)
+        return dict(self.spool.native_target(self.segment_bytes), segment_seconds=self.segment_seconds)
 
     def native_started(self, live_stats) -> None:
         self._native_live = live_stats
