@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import subprocess
@@ -57,16 +58,25 @@ def _cli() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "megatron_dmi"]
 
 
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def timed(cmd: list[str], repeats: int) -> dict:
-    runs, stderr_lines = [], 0
+    """Wall seconds per run, and CPU seconds (user + system: what a shared machine's load does not
+    inflate as much)."""
+    runs, cpu, stderr_lines = [], [], 0
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = _children_cpu(), time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True)
         runs.append(time.perf_counter() - t0)
+        cpu.append(_children_cpu() - c0)
         if p.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
         stderr_lines = len(p.stderr.splitlines())
-    return {"median_s": statistics.median(runs), "min_s": min(runs), "runs_s": runs, "stderr_lines": stderr_lines}
+    return {"median_s": statistics.median(runs), "min_s": min(runs), "runs_s": runs,
+            "cpu_median_s": statistics.median(cpu), "stderr_lines": stderr_lines}
 
 
 def snapshot_cost(store: str) -> dict:
@@ -106,11 +116,12 @@ def main() -> None:
         finally:
             holder.kill()
             holder.wait()
-    out = {"benchmark": "cli_speed", "machine": platform.node(), "cpus": os.cpu_count(),
+    out = {"benchmark": "cli_speed", "machine": platform.node(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
            "python": platform.python_version(), "store": os.path.abspath(args.store), "cli": cli, "arms": arms,
            "snapshot_while_held": snapshot}
     for name, a in arms.items():
-        print(f"{name:>16}: median {a['median_s']:.2f} s  min {a['min_s']:.2f} s  stderr lines {a['stderr_lines']}")
+        print(f"{name:>16}: median {a['median_s']:.2f} s  min {a['min_s']:.2f} s  cpu {a['cpu_median_s']:.2f} s  "
+              f"stderr lines {a['stderr_lines']}")
     print(f"snapshot while held: {snapshot}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
