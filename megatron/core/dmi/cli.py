@@ -3,8 +3,8 @@ captured, during the run or after it.
 
 Reading commands open a snapshot of the store (see reader/snapshot.py) and change nothing on disk;
 only ``load`` writes. This module and the reader import pyarrow, pandas and chDB, not torch
-(only ``tensor`` does) nor megatron-core: ``megatron-dmi`` starts in well under a second (see
-megatron_dmi/__init__.py for why ``python -m megatron.core.dmi`` cannot).
+(only ``tensor`` does) nor megatron-core, so ``megatron-dmi`` starts fast (benchmarks/cli_speed.py;
+megatron_dmi/__init__.py says why ``python -m megatron.core.dmi`` cannot).
 
 Commands register through ``add_subcommand(name, setup, help)``; ``setup(parser)`` adds the
 command's arguments and sets ``func`` (a callable taking the parsed args, returning an exit code).
