@@ -41,4 +41,4 @@ def main(argv: list[str] | None = None) -> int:
     _register_bare_core()
     from megatron.core.dmi.cli import main as cli_main
 
-    return cli_main(argv)
+    return cli_main(argv, prog="megatron-dmi")

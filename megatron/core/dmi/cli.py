@@ -315,14 +315,14 @@ add_subcommand("load", _setup_load, "load spool segments into a store")
 add_subcommand("export", _setup_export, "write a store back out as spool segments (to merge node-local stores)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m megatron.core.dmi") -> argparse.ArgumentParser:
     for mod in EXTRA_COMMAND_MODULES:
         try:
             importlib.import_module(mod)
         except ImportError as e:
             if getattr(e, "name", None) != mod:
                 raise
-    parser = argparse.ArgumentParser(prog="python -m megatron.core.dmi",
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Inspect Megatron-DMI captures (runs, tensors, expert load).")
     sub = parser.add_subparsers(dest="command", metavar="command")
     sub.required = True
@@ -331,11 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m megatron.core.dmi") -> int:
     # Upstream libraries' import-time notices (no CUDA, no Transformer Engine/apex, absl) are not
     # the user's business here; DMI's own warnings (e.g. a corrupt segment) still show.
     warnings.filterwarnings("ignore", module=r"(torch|transformer_engine|apex|megatron\.core(?!\.dmi))(\.|$)")
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     from megatron.core.dmi.reader import ReconstructionError, SchemaVersionError, StoreBusyError, StoreError
     from megatron.core.dmi.sinks import BackendError, IdentifierError, ServerURLError
 
