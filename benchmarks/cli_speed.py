@@ -104,7 +104,7 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         copy = os.path.join(tmp, "store")
-        shutil.copytree(args.store, copy, ignore=shutil.ignore_patterns(".readers"))
+        shutil.copytree(args.store, copy, symlinks=True, ignore=shutil.ignore_patterns(".readers"))
         arms["chdb_sql"] = timed([sys.executable, "-c", CHDB_SQL, os.path.join(copy, "chdb")], args.repeats)
         holder = subprocess.Popen([sys.executable, "-c", HOLDER, os.path.join(copy, "chdb")], stdout=subprocess.PIPE,
                                   text=True)
