@@ -1,7 +1,7 @@
 """``megatron-dmi watch <store>``: a compact live view of a run, refreshed every few seconds.
 
 Each refresh opens a fresh snapshot of the store (reader/snapshot.py: the training run keeps
-ingesting) and shows, for the latest iteration with expert counts, per MoE layer: the tokens each
+ingesting) and shows, for the latest iteration whose expert counts are all in, per MoE layer: the tokens each
 expert received after capacity dropping, the imbalance (max/mean), the capacity drop rate and the
 router's normalised entropy (when ``router.logits`` are captured); then the run's records and bytes
 and the store lag (records in closed spool segments that the store has not loaded yet; the view
@@ -68,6 +68,20 @@ def _layer_stats(load, entropy) -> list[LayerStats]:
     return out
 
 
+def _latest_whole_iteration(store, run_id: str) -> int | None:
+    """The newest train iteration with as many ``router.expert_counts`` records (microbatch x layer
+    x data-parallel rank x token range) as the fullest one: while a run writes, its newest
+    iteration may be only partly in closed segments, and its numbers would look like a collapse."""
+    per_it = store.sql(
+        f"SELECT iteration, uniqExact(microbatch, layer, dp, token_start, token_end) AS parts "
+        f"FROM {store.t('expert_counts')} FINAL WHERE run_id = {{run:String}} AND phase = 'train' "
+        f"AND invocation = 0 GROUP BY iteration", {"run": run_id}).to_pylist()
+    if not per_it:
+        return None
+    fullest = max(r["parts"] for r in per_it)
+    return max(int(r["iteration"]) for r in per_it if r["parts"] == fullest)
+
+
 def collect(store_path: str, database: str = "dmi", run_id: str | None = None, entropy: bool = True) -> WatchFrame:
     """One frame: a fresh snapshot of the store, read and closed."""
     frame = WatchFrame(store=store_path, run_id=run_id, taken_at=datetime.now().strftime("%H:%M:%S"))
@@ -82,15 +96,16 @@ def collect(store_path: str, database: str = "dmi", run_id: str | None = None, e
         its = d.iterations.get("train", [])
         frame.first_iteration, frame.last_iteration = (its[0], its[-1]) if its else (None, None)
         frame.records, frame.bytes, frame.dropped_records = d.records, d.bytes, d.dropped_records
-        load = store.expert_load(d.run_id)
-        if load.empty:
+        it = _latest_whole_iteration(store, d.run_id)
+        if it is None:
             return frame
-        frame.load_iteration = it = int(load["iteration"].max())
+        frame.load_iteration = it
+        load = store.expert_load(d.run_id, iterations=[it])
         per_layer_entropy: dict[int, float] = {}
         if entropy and ROUTER_LOGITS in set(d.outputs["output"]):
             ent = store.router_entropy(d.run_id, iterations=[it])
             per_layer_entropy = {int(r.layer): float(r.entropy_normalized) for r in ent.itertuples()}
-        frame.layers = _layer_stats(load[load["iteration"] == it], per_layer_entropy)
+        frame.layers = _layer_stats(load, per_layer_entropy)
     return frame
 
 

@@ -14,8 +14,8 @@ from megatron.core.dmi.sinks.isolated import run_isolated
 from tests.functional_tests.launch import REPO, tiny_moe_args
 from tests.unit_tests.dmi.sinks import workers as W
 
-LAYERS, MICROBATCHES, ITERS, OUTPUTS = 2, 2, 300, 4
-WATCH_SECONDS = 2.0
+LAYERS, MICROBATCHES, ITERS, OUTPUTS = 2, 2, 120, 4
+WATCH_SECONDS = 3.0
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
