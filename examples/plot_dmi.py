@@ -49,35 +49,47 @@ def plot_expert_load(load, out_dir: str, max_panels: int = 4) -> list[str]:
 
     g = load.groupby(["iteration", "layer"])["tokens_post"]
     imb = (g.max() / g.mean().replace(0, np.nan)).reset_index(name="imbalance")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for layer, d in imb.groupby("layer"):
-        ax.plot(d["iteration"], d["imbalance"], marker=".", label=f"layer {layer}")
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("max / mean tokens per expert")
-    ax.set_title("expert load imbalance")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+    fig = layer_lines_figure(imb, "imbalance", 1, "max / mean tokens per expert", "expert load imbalance",
+                             reference=1.0)
     p2 = os.path.join(out_dir, "expert_load_over_time.png")
     fig.savefig(p2, dpi=120)
     plt.close(fig)
     return [p1, p2]
 
 
-def _per_layer_lines(df, column: str, scale: float, ylabel: str, title: str, path: str, ylim=None) -> list[str]:
-    """One line per layer of ``column`` over iterations."""
-    if df.empty:
-        return []
+# Hollow markers of different shapes, on top of colour and dash: layers whose lines coincide (e.g.
+# every layer at 0 % drops) stay apart, and so do layers 1 and 11 once colours repeat.
+_MARKERS = "osD^vP*Xh<>p"
+_DASHES = ["-", "--", ":", "-."]
+
+
+def layer_lines_figure(df, column: str, scale: float, ylabel: str, title: str, ylim=None, reference=None):
+    """One line per layer of ``column`` over iterations: whole-number iteration ticks, and a y axis
+    from 0 (an all-zero series shows as zero on a 0..1 axis, not as noise around it)."""
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(7, 4))
-    for layer, d in df.groupby("layer"):
-        ax.plot(d["iteration"], scale * d[column], marker=".", label=f"layer {layer}")
-    if ylim:
-        ax.set_ylim(*ylim)
+    colors = plt.get_cmap("tab10" if df["layer"].nunique() <= 10 else "tab20").colors
+    for i, (layer, d) in enumerate(df.groupby("layer")):
+        ax.plot(d["iteration"], scale * d[column], color=colors[i % len(colors)], ls=_DASHES[i // len(colors) % 4],
+                marker=_MARKERS[i % len(_MARKERS)], markerfacecolor="none", ms=5 + (i % 3), label=f"layer {layer}")
+    if reference is not None:
+        ax.axhline(reference, color="grey", lw=0.8, ls="--")
+    top = float(np.nanmax(scale * df[column])) if len(df) else 0.0
+    ax.set_ylim(*(ylim or (0, top * 1.1 if top > 0 else 1)))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("iteration")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
+    return fig
+
+
+def _per_layer_lines(df, column: str, scale: float, ylabel: str, title: str, path: str, ylim=None) -> list[str]:
+    if df.empty:
+        return []
+    fig = layer_lines_figure(df, column, scale, ylabel, title, ylim)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return [path]

@@ -213,12 +213,12 @@ void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) 
   // both builds bind this one C++ type, and a process may load both (pybind11's registry is global).
   py::class_<SpoolThread>(m, "SpoolThread", py::module_local())
       .def(py::init([](Ring& r, std::string dir, std::string header_json, uint64_t first_seq, uint64_t segment_bytes,
-                       uint64_t linger_bytes, double poll_s) {
+                       uint64_t linger_bytes, double poll_s, double segment_seconds) {
              return new SpoolThread(r, SpoolConfig{std::move(dir), std::move(header_json), first_seq, segment_bytes,
-                                                   linger_bytes, poll_s});
+                                                   linger_bytes, poll_s, segment_seconds});
            }),
            py::keep_alive<1, 2>(), py::arg("ring"), py::arg("dir"), py::arg("header_json"), py::arg("first_seq"),
-           py::arg("segment_bytes"), py::arg("linger_bytes"), py::arg("poll_s"))
+           py::arg("segment_bytes"), py::arg("linger_bytes"), py::arg("poll_s"), py::arg("segment_seconds"))
       .def("add_site", &SpoolThread::add_site)
       .def("flush", &SpoolThread::flush, py::call_guard<py::gil_scoped_release>())
       .def("stop", &SpoolThread::stop, py::call_guard<py::gil_scoped_release>())

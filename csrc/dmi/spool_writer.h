@@ -11,8 +11,9 @@
 //   records "DMIRECS1", nrows, payload_bytes, nrows x kTakeWords words (take_into's row layout),
 //           payloads back to back, pad
 // A segment is written as `.<seq>.dmiraw.<pid>.tmp` and renamed to `<seq 08d>.dmiraw` when complete
-// (its size reached, or a flush); a killed process leaves only the temporary file. On a write error
-// the segment is cut back to its last whole block and kept: only the failing block is lost.
+// (its size reached, segment_seconds after its first record, or a flush); a killed process leaves
+// only the temporary file. On a write error the segment is cut back to its last whole block and
+// kept: only the failing block is lost.
 #pragma once
 
 #include <fcntl.h>
@@ -76,6 +77,7 @@ struct SpoolConfig {
   uint64_t segment_bytes = 256ull << 20;
   uint64_t linger_bytes = 32ull << 20;  // wait for this much payload per block unless a flush waits
   double poll_s = 0.05;
+  double segment_seconds = 2.0;  // a segment also closes this long after its first record (live readers)
 };
 
 struct SpoolStats {
@@ -176,12 +178,15 @@ class SpoolThread {
             core_.pop_ready(1024, cfg_.poll_s, max_batch, &too_big, urgent ? 0 : cfg_.linger_bytes, &epoch);
         if (got.empty() && too_big) got = core_.pop_ready(1, 0.0, UINT64_MAX);
         if (!got.empty()) {
+          if (fd_ < 0) segment_opened_ = std::chrono::steady_clock::now();
           write_block(got);
           core_.release_staging(got);
           wrote = true;
         }
       }
-      if (wrote && file_bytes_ >= cfg_.segment_bytes) close_segment();
+      if ((wrote && file_bytes_ >= cfg_.segment_bytes) ||
+          (fd_ >= 0 && elapsed_ns(segment_opened_) >= static_cast<uint64_t>(cfg_.segment_seconds * 1e9)))
+        close_segment();
       if (urgent && core_.taken() >= target) {
         if (!core_.error().empty()) throw std::runtime_error("ring drain failed: " + core_.error());
         close_segment();
@@ -417,6 +422,7 @@ class SpoolThread {
   uint64_t file_bytes_ = 0, segment_rows_ = 0, segment_bytes_ = 0;  // file size; records and payload in it
   std::string tmp_, final_;
   std::unordered_set<uint64_t> segment_sites_;
+  std::chrono::steady_clock::time_point segment_opened_;  // first write into the open segment
   std::vector<std::string> unsynced_;
   const std::string empty_json_ = "{}";
 };

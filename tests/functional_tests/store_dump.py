@@ -26,7 +26,7 @@ def tensor_crc(t: torch.Tensor) -> int:
 
 
 def dump(store_dir: str, load: str | None = None, tensors: bool = True) -> dict:
-    store = open_store(store_dir)
+    store = open_store(store_dir, writable=bool(load))  # loading writes the store; reading takes a snapshot
     try:
         if load:
             store.load(load)

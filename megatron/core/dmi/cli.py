@@ -1,4 +1,10 @@
-"""``python -m megatron.core.dmi <command>``: look at what a run captured.
+"""``megatron-dmi <command>`` (or ``python -m megatron.core.dmi <command>``): look at what a run
+captured, during the run or after it.
+
+Reading commands open a snapshot of the store (see reader/snapshot.py) and change nothing on disk;
+only ``load`` writes. This module and the reader import pyarrow, pandas and chDB, not torch
+(only ``tensor`` does) nor megatron-core, so ``megatron-dmi`` starts fast (benchmarks/cli_speed.py;
+megatron_dmi/__init__.py says why ``python -m megatron.core.dmi`` cannot).
 
 Commands register through ``add_subcommand(name, setup, help)``; ``setup(parser)`` adds the
 command's arguments and sets ``func`` (a callable taking the parsed args, returning an exit code).
@@ -11,12 +17,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
 from typing import Callable
 
 SetupFn = Callable[[argparse.ArgumentParser], None]
 _COMMANDS: dict[str, tuple[SetupFn, str]] = {}
 # Modules that register more subcommands when imported (missing ones are skipped).
-EXTRA_COMMAND_MODULES = ["megatron.core.dmi.doctor"]
+EXTRA_COMMAND_MODULES = ["megatron.core.dmi.doctor", "megatron.core.dmi.reader.watch"]
 
 
 def add_subcommand(name: str, setup: SetupFn, help: str) -> None:
@@ -32,17 +39,24 @@ def _run_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", dest="run_id", default=None, help="run id (default: the latest run)")
 
 
-def _open(args):
+def open_for_reading(store: str, database: str, quiet: bool = False):
+    """A read-only snapshot view of ``store`` (a URL: the server itself); says what it took from
+    the spool (segments the store has not loaded yet: a live run's latest, a crash's leftovers)."""
     from megatron.core.dmi.reader import open_store
 
-    store = open_store(args.store, database=args.database, progress=sys.stderr.isatty())
-    r = store.ingest_result
-    if r.segments_loaded or r.segments_corrupt:
-        print(f"(loaded {r.segments_loaded} leftover spool segment(s), {r.records} record(s)"
-              + (f"; {r.segments_corrupt} corrupt segment(s) skipped" if r.segments_corrupt else "") + ")")
+    opened = open_store(store, database=database, progress=sys.stderr.isatty() and not quiet)
+    r = opened.ingest_result
+    if (r.segments_loaded or r.segments_corrupt) and not quiet:
+        print(f"(read {r.segments_loaded} spool segment(s) not in the store yet, {r.records} record(s)"
+              + (f"; {r.segments_corrupt} corrupt segment(s) skipped" if r.segments_corrupt else "")
+              + "; the files are left as they are)")
         for e in r.errors:
             print(f"  ! {e}")
-    return store
+    return opened
+
+
+def _open(args):
+    return open_for_reading(args.store, args.database)
 
 
 def _fmt_bytes(n: int) -> str:
@@ -72,8 +86,8 @@ def cmd_runs(args) -> int:
     return 0
 
 
-def _expert_load_table(store, run_id, iteration):
-    load = store.expert_load(run_id, iterations=[iteration])
+def _expert_load_table(store, run_id, iteration, layers=None):
+    load = store.expert_load(run_id, iterations=[iteration], layers=layers)
     if load.empty:
         return None
     post = load.pivot(index="layer", columns="expert", values="tokens_post")
@@ -92,7 +106,9 @@ def cmd_show(args) -> int:
         if runs.empty:
             print(f"no runs in {args.store}")
             return 0
-        run_ids = [args.run_id] if args.run_id else list(runs["run_id"])
+        run_ids = list(runs["run_id"]) if args.all_runs else [store.resolve_run(args.run_id)]
+        if not args.all_runs and len(runs) > 1:
+            print(f"(latest of {len(runs)} runs; --all shows every run, `runs` lists them)")
         for run_id in run_ids:
             d = store.describe(run_id)
             print(d)
@@ -129,10 +145,16 @@ def cmd_describe(args) -> int:
 def cmd_tensor(args) -> int:
     import torch
 
+    from megatron.core.dmi.reader import AmbiguousLayerError
+
     with _open(args) as store:
         run_id = store.resolve_run(args.run_id)
-        t = store.tensor(run_id, args.output, args.iteration, args.microbatch, args.layer, args.phase, args.dp,
-                         args.invocation)
+        try:
+            t = store.tensor(run_id, args.output, args.iteration, args.microbatch, args.layer, args.phase, args.dp,
+                             args.invocation)
+        except AmbiguousLayerError as e:
+            print(f"error: {e.message('--layer')}", file=sys.stderr)
+            return 2
     print(f"{args.output} run {run_id} iteration {args.iteration} microbatch {args.microbatch} layer {args.layer}: "
           f"shape {list(t.shape)} dtype {str(t.dtype).replace('torch.', '')}")
     if t.numel():
@@ -149,7 +171,7 @@ def cmd_expert_load(args) -> int:
     with _open(args) as store:
         run_id = store.resolve_run(args.run_id)
         if args.iteration is not None:
-            t = _expert_load_table(store, run_id, args.iteration)
+            t = _expert_load_table(store, run_id, args.iteration, args.layer)
             print(f"expert load at iteration {args.iteration} (tokens after dropping):")
             _print_table(t if t is not None else __import__("pandas").DataFrame())
             return 0
@@ -176,7 +198,13 @@ def cmd_drops(args) -> int:
         rate = store.drop_rate(run_id)
         if not rate.empty:
             print("tokens dropped by the capacity factor:")
-            _print_table(rate)
+            partial = ~rate["complete"]
+            shown = rate.drop(columns=["complete"]).assign(
+                drop_rate=[f"{x:.1%}" if ok else f"{x:.1%} *" for x, ok in zip(rate["drop_rate"], rate["complete"])])
+            _print_table(shown)
+            if partial.any():
+                print(f"* partial: {int(partial.sum())} iteration(s) lost router.expert_counts records before "
+                      f"persistence (see above), so their rate covers only the tokens that arrived")
         reps = store.reports(run_id)
         if not reps.empty:
             print("sink reports:")
@@ -198,7 +226,7 @@ def cmd_load(args) -> int:
     target = args.store_target
     if "://" not in target:
         os.makedirs(target, exist_ok=True)
-    with open_store(target, database=args.database, progress=sys.stderr.isatty()) as store:
+    with open_store(target, database=args.database, writable=True) as store:
         r = store.load(src, delete=args.delete, progress=sys.stderr.isatty())
     print(f"loaded {r.segments_loaded} segment(s): {r.records} record(s), {_fmt_bytes(r.payload_bytes)} of payload; "
           f"{r.segments_skipped} already present, {r.segments_corrupt} corrupt")
@@ -230,6 +258,7 @@ def _setup_runs(p):
 def _setup_show(p):
     _store_arg(p)
     _run_arg(p)
+    p.add_argument("--all", dest="all_runs", action="store_true", help="every run in the store, oldest first")
     p.add_argument("--iteration", type=int, default=None, help="iteration for the expert load (default: the last one)")
     p.set_defaults(func=cmd_show)
 
@@ -278,7 +307,7 @@ def _setup_load(p):
     p.set_defaults(func=cmd_load)
 
 
-add_subcommand("show", _setup_show, "summary of a store: runs, records per output, expert load")
+add_subcommand("show", _setup_show, "summary of the latest run (or --run, --all): records per output, expert load")
 add_subcommand("runs", _setup_runs, "list runs")
 add_subcommand("describe", _setup_describe, "what one run captured")
 add_subcommand("tensor", _setup_tensor, "rebuild one full tensor: shape, dtype, stats, optional .pt")
@@ -288,14 +317,14 @@ add_subcommand("load", _setup_load, "load spool segments into a store")
 add_subcommand("export", _setup_export, "write a store back out as spool segments (to merge node-local stores)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m megatron.core.dmi") -> argparse.ArgumentParser:
     for mod in EXTRA_COMMAND_MODULES:
         try:
             importlib.import_module(mod)
         except ImportError as e:
             if getattr(e, "name", None) != mod:
                 raise
-    parser = argparse.ArgumentParser(prog="python -m megatron.core.dmi",
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="Inspect Megatron-DMI captures (runs, tensors, expert load).")
     sub = parser.add_subparsers(dest="command", metavar="command")
     sub.required = True
@@ -304,8 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m megatron.core.dmi") -> int:
+    # Upstream libraries' import-time notices (no CUDA, no Transformer Engine/apex, absl) are not
+    # the user's business here; DMI's own warnings (e.g. a corrupt segment) still show.
+    warnings.filterwarnings("ignore", module=r"(torch|transformer_engine|apex|megatron\.core(?!\.dmi))(\.|$)")
+    args = build_parser(prog).parse_args(argv)
     from megatron.core.dmi.reader import ReconstructionError, SchemaVersionError, StoreBusyError, StoreError
     from megatron.core.dmi.sinks import BackendError, IdentifierError, ServerURLError
 

@@ -349,9 +349,8 @@ def check_store(path: str, database: str) -> list[Check]:
         finally:
             os.close(fd)
         if busy is not None:
-            out.append(Check("store lock", "warn", f"held by pid {busy} (a running training's ingester or a reader)",
-                             "wait for it to finish, or copy the store directory and open the copy"))
-            return out
+            out.append(Check("store lock", "warn", f"held by pid {busy} (a running training's ingester or a `load`)",
+                             "readers work beside it (they read a snapshot); a `load` into it waits for it to finish"))
     if os.path.isdir(os.path.join(path, "chdb")):
         try:
             rc, res, err = _subprocess(_STORE_PROBE, path, database)

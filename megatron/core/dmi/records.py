@@ -9,33 +9,58 @@ round-trips bitwise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 import pyarrow as pa
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 PHASES = ("train", "valid")
 
-# dtype <-> name used in every table and file. Only these are captured.
-DTYPE_BY_NAME: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
+# dtype name used in every table and file -> bytes per element. Only these are captured; each name
+# is also torch's (torch.<name>), which is imported only where tensors are made (readers of the
+# tables must not pay torch's import).
+ITEM_SIZE: dict[str, int] = {
+    "float32": 4,
+    "float64": 8,
+    "bfloat16": 2,
+    "float16": 2,
+    "int32": 4,
+    "int64": 8,
+    "uint8": 1,
+    "bool": 1,
 }
-NAME_BY_DTYPE = {v: k for k, v in DTYPE_BY_NAME.items()}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+@functools.cache
+def _torch_dtypes() -> dict:
+    import torch
+
+    return {name: getattr(torch, name) for name in ITEM_SIZE}
+
+
+@functools.cache
+def _names_by_dtype() -> dict:
+    return {v: k for k, v in _torch_dtypes().items()}
+
+
+def __getattr__(name: str):
+    """``DTYPE_BY_NAME`` (name -> torch.dtype) and ``NAME_BY_DTYPE``, built on first use."""
+    if name == "DTYPE_BY_NAME":
+        return _torch_dtypes()
+    if name == "NAME_BY_DTYPE":
+        return _names_by_dtype()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def dtype_name(dtype: "torch.dtype") -> str:
     try:
-        return NAME_BY_DTYPE[dtype]
+        return _names_by_dtype()[dtype]
     except KeyError:
         raise TypeError(f"DMI cannot capture tensors of dtype {dtype}") from None
 
@@ -98,7 +123,7 @@ class RecordKey:
     @property
     def nbytes(self) -> int:
         n = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
-        return n * torch.empty((), dtype=DTYPE_BY_NAME[self.dtype]).element_size()
+        return n * ITEM_SIZE[self.dtype]
 
     def site(self) -> "RecordKey":
         """The site's key: this key with the firing fields at their defaults."""
@@ -138,7 +163,7 @@ class Record:
     key: RecordKey
     payload: bytes
 
-    def tensor(self) -> torch.Tensor:
+    def tensor(self) -> "torch.Tensor":
         return payload_to_tensor(self.payload, self.key.dtype, self.key.shape)
 
     @property
@@ -146,16 +171,20 @@ class Record:
         return zlib.crc32(self.payload)
 
 
-def tensor_to_payload(t: torch.Tensor) -> bytes:
+def tensor_to_payload(t: "torch.Tensor") -> bytes:
     """Raw bytes of a host tensor (C order, native little-endian)."""
+    import torch
+
     t = t.detach().contiguous()
     if t.numel() == 0:
         return b""
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def payload_to_tensor(payload: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
-    torch_dtype = DTYPE_BY_NAME[dtype]
+def payload_to_tensor(payload: bytes, dtype: str, shape: Sequence[int]) -> "torch.Tensor":
+    import torch
+
+    torch_dtype = _torch_dtypes()[dtype]
     if len(payload) == 0:
         return torch.empty(tuple(shape), dtype=torch_dtype)
     flat = torch.frombuffer(bytearray(payload), dtype=torch.uint8)

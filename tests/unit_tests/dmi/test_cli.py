@@ -89,3 +89,100 @@ def test_subcommand_registry():
         cli._COMMANDS.pop("test-extra")
     for name in ("show", "runs", "describe", "tensor", "expert-load", "drops", "load", "export"):
         assert name in cli._COMMANDS
+
+
+# -- the newcomer's bug list (issue 20) ---------------------------------------------------------
+
+def test_expert_load_iteration_honours_layer(store):
+    d, _ = store
+    rc, out = run_isolated(W.load_cli, ["expert-load", d, "--iteration", "2", "--layer", "1"])
+    assert rc == 0, out
+    rows = [line.split() for line in out.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["1"], out
+
+
+def test_tensor_error_names_the_cli_flag(store):
+    d, _ = store
+    rc, err = run_isolated(_cli_stderr, ["tensor", d, "--output", "router.logits", "--iteration", "2"])
+    assert rc == 2
+    assert "pass --layer" in err and "layer=" not in err, err
+
+
+def _cli_stderr(argv):
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf):
+        rc = cli.main(argv)
+    return rc, buf.getvalue()
+
+
+def _write_two_runs(d: str) -> None:
+    from megatron.core.dmi.sinks.meta import RunInfo
+
+    W.write_embedded(d, W.moe_records(run_id="run-old"), [W.run_info(run_id="run-old")])
+    info = RunInfo("run-new", 1, None, {"run_id": None, "hooks": ["router"]}, layers=[0, 1])
+    W.write_embedded(d, W.moe_records(run_id="run-new", iterations=range(1, 3)), [info])
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("two_runs"))
+    run_isolated(_write_two_runs, d)
+    return d
+
+
+def test_show_prints_the_latest_run_as_its_help_says(two_runs):
+    rc, out = run_isolated(W.load_cli, ["show", two_runs])
+    assert rc == 0 and "run run-new:" in out and "run run-old:" not in out, out
+    assert "--all shows every run" in out
+    rc, out = run_isolated(W.load_cli, ["show", two_runs, "--all"])
+    assert rc == 0 and "run run-new:" in out and "run run-old:" in out
+    rc, out = run_isolated(W.load_cli, ["show", two_runs, "--run", "run-old"])
+    assert rc == 0 and "run run-old:" in out and "run run-new:" not in out
+    assert "default: the latest run" in cli.build_parser()._subparsers._group_actions[0].choices["show"].format_help()
+
+
+def test_describe_config_shows_the_generated_run_id(two_runs):
+    rc, out = run_isolated(W.load_cli, ["describe", two_runs, "--config"])
+    assert rc == 0 and '"run_id": "run-new"' in out and '"run_id": null' not in out, out
+
+
+def _write_with_lost_counts(d: str) -> list:
+    recs = W.moe_records(iterations=range(1, 4))
+    lost = [r for r in recs if r.key.output == "router.expert_counts" and r.key.iteration == 2 and r.key.coords.rank == 1]
+    kept = [r for r in recs if r not in lost]
+    W.write_embedded(d, kept, [W.run_info()], drops=[r.key for r in lost])
+    return [r.key.iteration for r in lost]
+
+
+def test_drops_marks_iterations_with_lost_expert_counts(tmp_path):
+    d = str(tmp_path / "s")
+    run_isolated(_write_with_lost_counts, d)
+    rc, out = run_isolated(W.load_cli, ["drops", d])
+    assert rc == 0, out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()[:1].isdigit()}
+    assert rows["2"].rstrip().endswith("*") and not rows["1"].rstrip().endswith("*"), out
+    assert "* partial: 1 iteration(s)" in out
+
+
+# -- a fast, quiet CLI ----------------------------------------------------------------------------
+
+def test_megatron_dmi_entry_imports_neither_torch_nor_megatron_core(store):
+    d, _ = store
+    code = ("import sys, megatron_dmi; rc = megatron_dmi.main(['show', sys.argv[1]]);"
+            "print('LOADED', 'torch' in sys.modules, 'megatron.core.parallel_state' in sys.modules, rc)")
+    p = subprocess.run([sys.executable, "-c", code, d], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "LOADED False False 0" in p.stdout
+    assert p.stderr == "", "no upstream warnings"
+
+
+def test_cli_output_has_no_upstream_warnings(store):
+    d, _ = store
+    p = subprocess.run([sys.executable, "-m", "megatron_dmi", "watch", d, "--once"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "iteration 3: tokens per expert" in p.stdout
+    assert p.stderr == ""

@@ -5,12 +5,27 @@ questions (expert load, dropped tokens, router entropy, attention patterns).
     with open_store("dmi_store") as store:
         print(store.runs())
         logits = store.tensor(run_id, "router.logits", iteration=10, layer=3)
+
+Names are imported on first use: reading a store needs pyarrow, pandas and chDB, not torch.
 """
 
-from megatron.core.dmi.reader.reconstruct import ReconstructionError, reconstruct
-from megatron.core.dmi.reader.store import RunDescription, Store, StoreError, open_store, resolve_store_dir
-from megatron.core.dmi.sinks.backend import StoreBusyError
-from megatron.core.dmi.sinks.schema import SchemaVersionError
+import importlib
 
-__all__ = ["open_store", "Store", "RunDescription", "ReconstructionError", "reconstruct", "StoreError",
-           "StoreBusyError", "SchemaVersionError", "resolve_store_dir"]
+_MODULE_OF = {
+    "open_store": "store", "Store": "store", "RunDescription": "store", "resolve_store_dir": "store",
+    "StoreError": "errors", "ReconstructionError": "errors", "AmbiguousLayerError": "errors",
+    "reconstruct": "reconstruct",
+    "StoreBusyError": "megatron.core.dmi.sinks.backend", "SchemaVersionError": "megatron.core.dmi.sinks.schema",
+}
+
+
+def __getattr__(name: str):
+    mod = _MODULE_OF.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod if "." in mod else f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = list(_MODULE_OF)

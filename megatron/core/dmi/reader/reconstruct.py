@@ -21,12 +21,8 @@ from typing import Iterable, Sequence
 import torch
 
 from megatron.core.dmi import catalog
-from megatron.core.dmi.errors import DMIError
+from megatron.core.dmi.reader.errors import ReconstructionError
 from megatron.core.dmi.records import Record
-
-
-class ReconstructionError(DMIError, RuntimeError):
-    """The stored shards do not form exactly one full tensor (gap, overlap, conflict, corruption)."""
 
 
 def _ranks(recs: Iterable[Record]) -> str:

@@ -1,5 +1,9 @@
 """The reader: open a DMI store (embedded chDB directory or ClickHouse URL) and answer questions.
 
+An embedded store is read through a private snapshot (reader/snapshot.py): readers never hold the
+store itself, so they run beside a training run's ingester and never change what is on disk.
+torch is imported only by the methods that return tensors.
+
 Every query sees each (phase, iteration) exactly once, from its latest attempt: attempt ``a``'s
 records for iterations after the checkpoint that a later attempt ``b`` resumed from are
 superseded (DESIGN section 7).
@@ -15,18 +19,20 @@ import warnings
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import pandas as pd
 import pyarrow as pa
-import torch
 
-from megatron.core.dmi.errors import DMIError
+from megatron.core.dmi.reader.errors import AmbiguousLayerError, ReconstructionError, StoreError
+from megatron.core.dmi.reader.snapshot import ReaderSnapshot, SnapshotStats, link_spool, link_store
 from megatron.core.dmi.records import TENSOR_SCHEMA, Record, RecordKey
-from megatron.core.dmi.reader.reconstruct import ReconstructionError, reconstruct
 from megatron.core.dmi.sinks import schema as S
 from megatron.core.dmi.sinks.backend import Backend, ChdbBackend, ServerBackend
 from megatron.core.dmi.sinks.ingest import IngestResult, ingest_spool
+
+if TYPE_CHECKING:
+    import torch
 
 _KEY_SELECT = ", ".join(
     ["run_id", "phase", "iteration", "attempt", "microbatch", "invocation", "layer", "output", "rank", "tp", "pp",
@@ -36,10 +42,6 @@ _KEY_SELECT = ", ".join(
 _URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _VISIBLE = ("attempt = transform(concat(phase, ':', toString(iteration)), {vis_keys:Array(String)}, "
             "{vis_attempts:Array(Int32)}, toInt32(-1))")
-
-
-class StoreError(DMIError, RuntimeError):
-    pass
 
 
 @dataclass
@@ -118,13 +120,16 @@ def resolve_store_dir(path: str) -> tuple[str, str]:
 
 
 def open_store(path_or_url: str, *, database: str = S.DEFAULT_DATABASE, ingest: bool = True,
-               password: str | None = None, progress: bool = False) -> "Store":
-    """Open a store for reading.
+               password: str | None = None, progress: bool = False, writable: bool = False) -> "Store":
+    """Open a store.
 
     ``path_or_url``: a store directory (``--dmi-store-dir``: holds ``chdb/`` and ``spool/``) or a
-    ClickHouse server URL. Opening a directory first ingests any spool segments left over (a crash,
-    ``--dmi-persist spool``, a node whose ingester stood down), in this process. chDB lets one process
-    open a store: this fails with StoreBusyError while a training run's ingester holds it.
+    ClickHouse server URL. A directory is read through a snapshot taken now (see
+    reader/snapshot.py), so this works while a training run writes the store and changes nothing
+    on disk; with ``ingest`` the snapshot also loads the spool's segments that the store does not
+    hold yet (a live run's latest, a crash's leftovers, ``--dmi-persist spool``): the view shows
+    every closed segment. ``writable=True`` opens the store itself instead (to ``load`` into it;
+    chDB lets one process do that: StoreBusyError while a training run's ingester holds it).
     """
     if _URL_RE.match(path_or_url):
         backend: Backend = ServerBackend(path_or_url, database, password)
@@ -133,20 +138,37 @@ def open_store(path_or_url: str, *, database: str = S.DEFAULT_DATABASE, ingest: 
     store_dir, chdb_path = resolve_store_dir(path_or_url)
     if not os.path.isdir(store_dir):
         raise StoreError(f"no DMI store at {path_or_url} (directory does not exist)")
-    backend = ChdbBackend(chdb_path, database)
+    if writable:
+        backend = ChdbBackend(chdb_path, database)
+        try:
+            backend.ensure_schema()
+        except BaseException:
+            backend.close()
+            raise
+        return Store(backend, store_dir)
+    snapshot = ReaderSnapshot(store_dir)
+    backend = None
     try:
+        stats = SnapshotStats()
+        spool = os.path.join(store_dir, "spool")
+        if ingest and os.path.isdir(spool):  # first: a segment ingested meanwhile is then in the store copy
+            link_spool(spool, snapshot.spool_root, stats)
+        if os.path.isdir(chdb_path):
+            link_store(chdb_path, snapshot.chdb_path, stats)
+        backend = ChdbBackend(snapshot.chdb_path, database)
         backend.ensure_schema()
         result = IngestResult()
-        spool = os.path.join(store_dir, "spool")
-        if ingest and os.path.isdir(spool):
-            result = _ingest_with_progress(backend, spool, delete=True, progress=progress)
+        if os.path.isdir(snapshot.spool_root):
+            result = _ingest_with_progress(backend, snapshot.spool_root, delete=False, progress=progress)
             if result.segments_corrupt:
-                warnings.warn(f"DMI: {result.segments_corrupt} corrupt spool segment(s) skipped while opening "
+                warnings.warn(f"DMI: {result.segments_corrupt} corrupt spool segment(s) skipped while reading "
                               f"{path_or_url}: " + "; ".join(result.errors[:3]), RuntimeWarning, stacklevel=2)
     except BaseException:
-        backend.close()
+        if backend is not None:
+            backend.close()
+        snapshot.close()
         raise
-    return Store(backend, store_dir, result)
+    return Store(backend, store_dir, result, snapshot=snapshot, snapshot_stats=stats)
 
 
 def _ingest_with_progress(backend: Backend, spool: str, delete: bool, progress: bool) -> IngestResult:
@@ -165,10 +187,16 @@ def _ingest_with_progress(backend: Backend, spool: str, delete: bool, progress: 
 
 
 class Store:
-    def __init__(self, backend: Backend, location: str, ingest_result: IngestResult | None = None):
+    """``ingest_result``: spool segments loaded into this (snapshot) view when it opened;
+    ``snapshot_stats``: what the snapshot linked (None for a store opened writable or a server)."""
+
+    def __init__(self, backend: Backend, location: str, ingest_result: IngestResult | None = None,
+                 snapshot: ReaderSnapshot | None = None, snapshot_stats: SnapshotStats | None = None):
         self.backend = backend
         self.location = location
         self.ingest_result = ingest_result or IngestResult()
+        self.snapshot_stats = snapshot_stats
+        self._snapshot = snapshot
         self._visible_cache: dict[str, dict[tuple[str, int], int]] = {}
 
     # -- plumbing ---------------------------------------------------------------------------
@@ -180,6 +208,8 @@ class Store:
 
     def close(self) -> None:
         self.backend.close()
+        if self._snapshot is not None:
+            self._snapshot.close()
 
     def t(self, table: str) -> str:
         return self.backend.t(table)
@@ -192,7 +222,10 @@ class Store:
         return self.sql(query, params).to_pandas()
 
     def load(self, spool_root: str, delete: bool = False, progress: bool = False) -> IngestResult:
-        """Load spool segments from another directory (``--dmi-persist spool`` output)."""
+        """Load spool segments from another directory (``--dmi-persist spool`` output) into a store
+        opened with ``writable=True``."""
+        if self._snapshot is not None:
+            raise StoreError(f"{self.location} is open as a read-only snapshot: open it with writable=True to load")
         self._visible_cache.clear()
         return _ingest_with_progress(self.backend, spool_root, delete=delete, progress=progress)
 
@@ -324,6 +357,8 @@ class Store:
         latest = attempts.iloc[-1] if not attempts.empty else None
         meta = {name: _json_or_empty(None if latest is None else latest[f"{name}_json"])
                 for name in ("config", "model", "layout", "versions")}
+        if meta["config"].get("run_id") is None and meta["config"]:
+            meta["config"]["run_id"] = run_id  # the config holds what was asked for; the id was generated
         vis = self.visible_attempts(run_id)
         iterations: dict[str, list[int]] = defaultdict(list)
         for (phase, it) in sorted(vis):
@@ -373,8 +408,7 @@ class Store:
             layers = self.sql(f"SELECT DISTINCT layer FROM {self.t('tensors')} WHERE {where} ORDER BY layer",
                               params).column("layer").to_pylist()
             if len(layers) != 1:
-                raise StoreError(f"{output} at iteration {iteration} has layers {_ranges(layers) if layers else 'none'}: "
-                                 f"pass layer=")
+                raise AmbiguousLayerError(output, iteration, _ranges(layers) if layers else "none")
             layer = layers[0]
         params["layer"] = int(layer)
         table = self.sql(f"SELECT {_KEY_SELECT} FROM {self.t('tensors')} FINAL WHERE {where} AND layer = {{layer:Int32}}",
@@ -397,13 +431,15 @@ class Store:
         return out
 
     def tensor(self, run_id: str, output: str, iteration: int, microbatch: int = 0, layer: int | None = None,
-               phase: str = "train", dp: int = 0, invocation: int = 0) -> torch.Tensor:
+               phase: str = "train", dp: int = 0, invocation: int = 0) -> "torch.Tensor":
         """The full tensor rebuilt from every TP/SP/EP/CP/PP shard (see reconstruct.py for the rules).
         Raises ReconstructionError on a gap, an overlap or conflicting duplicates."""
         recs = self.records(run_id, output, iteration, microbatch, layer, phase, dp, invocation)
         what = f"{output} run {run_id} {phase} iteration {iteration} microbatch {microbatch} layer {recs[0].key.layer if recs else layer}"
         if not recs:
             raise ReconstructionError(f"{what}: no records (dp {dp}, invocation {invocation})")
+        from megatron.core.dmi.reader.reconstruct import reconstruct
+
         return reconstruct(recs, output, what=what, expected_ranks=self._expected_ranks(run_id, recs))
 
     def _expected_ranks(self, run_id: str, recs: list[Record]) -> dict[int, list[int]] | None:
@@ -442,21 +478,37 @@ class Store:
             f" GROUP BY iteration, layer, expert ORDER BY iteration, layer, expert", params)
 
     def drop_rate(self, run_id: str | None = None, phase: str = "train", by_layer: bool = False) -> pd.DataFrame:
-        """Fraction of routed token slots dropped by the capacity factor, per iteration (and layer)."""
+        """Fraction of routed token slots dropped by the capacity factor, per iteration (and layer).
+        ``complete`` is False where ``router.expert_counts`` records of that iteration were lost
+        before persistence (``--dmi-on-full drop``): the rate then covers only the tokens that
+        arrived; an iteration with none left has a row of zeros."""
+        run_id = self.resolve_run(run_id)
         load = self.expert_load(run_id, phase)
         keys = ["iteration", "layer"] if by_layer else ["iteration"]
-        if load.empty:
-            return pd.DataFrame(columns=keys + ["tokens_pre", "tokens_post", "drop_rate"])
+        lost = self.df(
+            f"SELECT DISTINCT iteration, layer FROM {self.t('drops')} FINAL WHERE run_id = {{run:String}} "
+            f"AND phase = {{phase:String}} AND output = 'router.expert_counts' AND invocation = 0",
+            {"run": run_id, "phase": phase})
+        if load.empty and lost.empty:
+            return pd.DataFrame(columns=keys + ["tokens_pre", "tokens_post", "drop_rate", "complete"])
         g = load.groupby(keys, as_index=False)[["tokens_pre", "tokens_post"]].sum()
+        lost_keys = lost[keys].drop_duplicates()
+        g = g.merge(lost_keys.assign(complete=False), on=keys, how="outer")
+        g["complete"] = g["complete"].isna()
+        g[["tokens_pre", "tokens_post"]] = g[["tokens_pre", "tokens_post"]].fillna(0).astype("int64")
         g["drop_rate"] = (g["tokens_pre"] - g["tokens_post"]) / g["tokens_pre"].where(g["tokens_pre"] > 0)
         g["drop_rate"] = g["drop_rate"].fillna(0.0)
-        return g
+        return g.sort_values(keys).reset_index(drop=True)[keys + ["tokens_pre", "tokens_post", "drop_rate", "complete"]]
 
     def router_entropy(self, run_id: str | None = None, phase: str = "train", layers: Sequence[int] | None = None,
                        iterations: Sequence[int] | None = None, dp: int = 0, progress: bool = False) -> pd.DataFrame:
         """Mean per-token entropy (nats) of the routing distribution softmax(router.logits), per
         iteration and layer (tokens of all microbatches of data-parallel rank ``dp``);
         ``entropy_normalized`` divides by log(E) (1 = uniform routing)."""
+        import torch
+
+        from megatron.core.dmi.reader.reconstruct import reconstruct
+
         run_id = self.resolve_run(run_id)
         vis = self.visible_attempts(run_id)
         its = sorted(i for p, i in vis if p == phase and (not iterations or i in set(iterations)))
@@ -498,7 +550,7 @@ class Store:
         return pd.DataFrame(rows, columns=["iteration", "layer", "entropy", "entropy_normalized", "tokens"])
 
     def attention_pattern(self, run_id: str, iteration: int, microbatch: int, layer: int, head: int, batch: int = 0,
-                          phase: str = "train", dp: int = 0) -> torch.Tensor:
+                          phase: str = "train", dp: int = 0) -> "torch.Tensor":
         """[s, s] causal attention probabilities of one head, rebuilt from attn.q and attn.k
         (softmax(q k^T / sqrt(d)) with future positions masked; under GQA head h reads key group
         h // (heads / groups))."""
@@ -514,6 +566,8 @@ class Store:
             raise StoreError(f"batch {batch} outside 0..{b - 1}")
         if heads % groups:
             raise StoreError(f"{heads} query heads do not divide into {groups} key groups")
+        import torch
+
         g = head // (heads // groups)
         qh = q[:, batch, head].double()
         kh = k[:, batch, g].double()

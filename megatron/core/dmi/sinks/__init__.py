@@ -14,35 +14,48 @@ See docs/storage.md for the tables and the multi-rank design.
 
 from __future__ import annotations
 
+import importlib
 import os
+from typing import TYPE_CHECKING
 
-from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import ParallelCoords
-from megatron.core.dmi.sinks.backend import (
-    PASSWORD_ENV,
-    PASSWORD_FILE_ENV,
-    BackendError,
-    ChdbBackend,
-    ServerBackend,
-    ServerURLError,
-    StoreBusyError,
-    open_backend,
-    parse_server_url,
-    resolve_password,
-)
-from megatron.core.dmi.sinks.base import Sink, SinkReport
-from megatron.core.dmi.sinks.ingest import IngestResult, IngesterThread, ingest_spool, load_table
-from megatron.core.dmi.sinks.meta import DMISinkReport, RunInfo
-from megatron.core.dmi.sinks.schema import SCHEMA_VERSION, IdentifierError, SchemaVersionError, check_identifier
-from megatron.core.dmi.sinks.sinks import DMISink, EmbeddedSink, NullSink, ServerSink, SpoolSink
+if TYPE_CHECKING:
+    from megatron.core.dmi.config import DMIConfig
+    from megatron.core.dmi.records import ParallelCoords
+    from megatron.core.dmi.sinks.sinks import DMISink
 
 STORE_CHDB = "chdb"
 STORE_SPOOL = "spool"
+
+# Public name -> its submodule, imported on first use: a reader needs the backend and schema
+# without the training-side sinks (and their imports).
+_EXPORTS = {
+    "backend": ["PASSWORD_ENV", "PASSWORD_FILE_ENV", "BackendError", "ChdbBackend", "ServerBackend", "ServerURLError",
+                "StoreBusyError", "open_backend", "parse_server_url", "resolve_password"],
+    "base": ["Sink", "SinkReport"],
+    "ingest": ["IngestResult", "IngesterThread", "ingest_spool", "load_table"],
+    "meta": ["DMISinkReport", "RunInfo"],
+    "schema": ["SCHEMA_VERSION", "IdentifierError", "SchemaVersionError", "check_identifier"],
+    "sinks": ["DMISink", "EmbeddedSink", "NullSink", "ServerSink", "SpoolSink"],
+}
+_MODULE_OF = {name: mod for mod, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    mod = _MODULE_OF.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
 
 
 def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingester: bool) -> DMISink:
     """The sink for this process. ``is_ingester``: this process is its node's ingester (local
     rank 0); only used by the embedded store."""
+    from megatron.core.dmi.sinks.backend import resolve_password
+    from megatron.core.dmi.sinks.schema import check_identifier
+    from megatron.core.dmi.sinks.sinks import EmbeddedSink, NullSink, ServerSink, SpoolSink
+
     check_identifier(config.clickhouse_database, "--dmi-clickhouse-database")
     if config.persist == "none":
         return NullSink(run_id, coords)
@@ -58,10 +71,4 @@ def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingeste
     return EmbeddedSink(store_dir, run_id, coords, is_ingester, database=config.clickhouse_database)
 
 
-__all__ = [
-    "open_sink", "RunInfo", "DMISink", "DMISinkReport", "Sink", "SinkReport", "NullSink", "SpoolSink",
-    "EmbeddedSink", "ServerSink", "IngesterThread", "IngestResult", "ingest_spool", "load_table",
-    "ChdbBackend", "ServerBackend", "open_backend", "StoreBusyError", "BackendError", "ServerURLError",
-    "SchemaVersionError", "IdentifierError", "SCHEMA_VERSION", "parse_server_url", "resolve_password",
-    "PASSWORD_ENV", "PASSWORD_FILE_ENV",
-]
+__all__ = ["open_sink", *_MODULE_OF]

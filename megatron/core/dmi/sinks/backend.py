@@ -159,8 +159,8 @@ class ChdbBackend(Backend):
                     os.close(lockfd)
                     raise StoreBusyError(
                         f"DMI store {self.path} is held by another process (pid {holder}; e.g. a running "
-                        f"training's ingester or another reader). chDB lets one process open a store: "
-                        f"wait for it to finish, or copy the store directory and open the copy"
+                        f"training's ingester or a `load`). chDB lets one process write a store: load after "
+                        f"it finishes; to read, open_store and the CLI take a snapshot and need no lock"
                     ) from None
                 os.ftruncate(lockfd, 0)
                 os.pwrite(lockfd, f"{os.getpid()}\n".encode(), 0)

@@ -12,7 +12,8 @@ import pickle
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable
 
-_PRELOAD = ["megatron.core.dmi.records", "megatron.core.dmi.sinks", "megatron.core.dmi.reader"]
+# The packages import their names lazily: preload the modules themselves.
+_PRELOAD = ["megatron.core.dmi.records", "megatron.core.dmi.sinks.sinks", "megatron.core.dmi.reader.store"]
 _ctx = None
 
 

@@ -101,12 +101,13 @@ def default_spool_writers() -> int:
 
 
 class _BufferedSink(DMISink):
-    """Buffers batches into segments of ``segment_bytes``/``segment_records`` (or older than
-    ``segment_seconds`` at the next write) and hands each to ``_emit_records``: inline when
-    ``writers`` is 1, else on one of ``writers`` threads."""
+    """Buffers batches into segments of ``segment_bytes``/``segment_records``, or whatever is
+    buffered ``segment_seconds`` after its first batch (a timer: live readers see a step's records
+    within seconds even when no further batch comes), and hands each to ``_emit_records``: inline
+    when ``writers`` is 1, else on one of ``writers`` threads."""
 
     def __init__(self, run_id: str, coords: ParallelCoords, spool_root: str, *,
-                 segment_bytes: int = 64 << 20, segment_records: int = 8192, segment_seconds: float = 5.0,
+                 segment_bytes: int = 64 << 20, segment_records: int = 8192, segment_seconds: float = 2.0,
                  writers: int = 1):
         super().__init__(run_id, coords)
         self.spool_root = spool_root
@@ -142,11 +143,21 @@ class _BufferedSink(DMISink):
                 return
             if not self._buf:
                 self._buf_since = time.monotonic()
+                timer = threading.Timer(self.segment_seconds, self._close_aged_segment)
+                timer.daemon = True
+                timer.start()
             self._buf.append(table)
             self._buf_rows += table.num_rows
             self._buf_bytes += nbytes
             due = (self._buf_bytes >= self.segment_bytes or self._buf_rows >= self.segment_records
                    or time.monotonic() - self._buf_since >= self.segment_seconds)
+        if due:
+            self._drain_buffers(records_only=True)
+
+    def _close_aged_segment(self) -> None:
+        with self._buf_lock:
+            due = (not self._closed and bool(self._buf)
+                   and time.monotonic() - self._buf_since >= self.segment_seconds * 0.999)
         if due:
             self._drain_buffers(records_only=True)
 
@@ -309,7 +320,7 @@ class SpoolSink(_BufferedSink):
         self._spool(kind, table)
 
     def native_spool_target(self) -> dict | None:
-        return self.spool.native_target(self.segment_bytes)
+        return dict(self.spool.native_target(self.segment_bytes), segment_seconds=self.segment_seconds)
 
     def native_started(self, live_stats) -> None:
         self._native_live = live_stats

@@ -298,15 +298,17 @@ class NativeRingTransport(Transport):
 
     # ------------------------------------------------------------------ native spool
     def start_spool(self, directory: str, header: dict, first_seq: int, segment_bytes: int, linger_bytes: int,
-                    poll_seconds: float = 0.05) -> None:
+                    poll_seconds: float = 0.05, segment_seconds: float = 2.0) -> None:
         """Make a C++ thread the ring's consumer: it writes finished records straight from staging
         into raw spool segments (``<seq>.dmiraw`` in ``directory``, numbered from ``first_seq``;
-        format in csrc/dmi/spool_writer.h), checksummed, without Python or the GIL. ``take*`` must
+        format in csrc/dmi/spool_writer.h), checksummed, without Python or the GIL; a segment closes
+        at ``segment_bytes``, ``segment_seconds`` after its first record, or a flush. ``take*`` must
         not be used while it runs."""
         if self._spool is not None:
             raise RuntimeError("the native spool writer is already running")
         self._spool = self._mod.SpoolThread(self._ring, directory, json.dumps(header), int(first_seq),
-                                            int(segment_bytes), int(linger_bytes), float(poll_seconds))
+                                            int(segment_bytes), int(linger_bytes), float(poll_seconds),
+                                            float(segment_seconds))
         for site, key in enumerate(self._sites):
             self._spool.add_site(site, site_json(key))
 

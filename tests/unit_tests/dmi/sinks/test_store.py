@@ -67,14 +67,16 @@ def test_two_ranks_one_reader(tmp_path):
     assert dump["_ingest"]["segments_loaded"] == 0
 
 
-def test_leftover_spool_ingested_by_reader(tmp_path):
-    """A crash before the final ingest: segments stay in the spool and the next reader loads them."""
+def test_leftover_spool_read_by_reader_and_left_in_place(tmp_path):
+    """A crash before the final ingest: segments stay in the spool; a reader shows them (in its
+    snapshot) and leaves them for the next ingester or `load`."""
     recs = W.moe_records()
     run_isolated(W.write_spool, str(tmp_path), recs, [W.run_info()])
+    before = sorted(os.listdir(tmp_path / "spool" / "rank-00000"))
     dump = run_isolated(W.dump_store, str(tmp_path), ("tensors",))
     assert len(dump["tensors"]) == len(recs)
     assert dump["_ingest"]["records"] == len(recs)
-    assert not os.listdir(tmp_path / "spool" / "rank-00000")
+    assert sorted(os.listdir(tmp_path / "spool" / "rank-00000")) == before
 
 
 def _free_port():
@@ -128,10 +130,10 @@ def test_corrupt_segment_reported_rest_loaded(tmp_path):
     dump = run_isolated(W.dump_store, str(tmp_path / "other"), ("tensors", "segments"))
     assert len(dump["tensors"]) == len(recs) - 8
     assert [dict(r)["status"] for r in dump["segments"]].count("corrupt") == 1
-    # opening the store itself (it owns the spool): the bad file is set aside as *.corrupt
+    # a reader of the store itself reports the bad file and leaves it where it is
     dump = run_isolated(W.dump_store, str(tmp_path), ("tensors",))
     assert dump["_ingest"]["segments_corrupt"] == 1 and len(dump["tensors"]) == len(recs) - 8
-    assert (d / (tensor_segs[1] + ".corrupt")).exists()
+    assert bad.exists() and not (d / (tensor_segs[1] + ".corrupt")).exists()
 
 
 def test_reingest_collapses_duplicates(tmp_path):
@@ -156,7 +158,8 @@ def test_store_busy_error(tmp_path):
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.pwrite(fd, b"4242\n", 0)
     try:
-        kind, msg = run_isolated(W.open_store_error, str(tmp_path))
+        kind, msg = run_isolated(W.open_store_error, str(tmp_path), True)
+        assert run_isolated(W.open_store_error, str(tmp_path)) == ("", "")  # a reader takes a snapshot
     finally:
         os.close(fd)
     assert kind == "StoreBusyError" and "4242" in msg

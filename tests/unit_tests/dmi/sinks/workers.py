@@ -193,11 +193,11 @@ def store_call(store_dir: str, method: str, *args, **kwargs):
         return getattr(store, method)(*args, **kwargs)
 
 
-def open_store_error(store_dir: str) -> tuple[str, str]:
+def open_store_error(store_dir: str, writable: bool = False) -> tuple[str, str]:
     from megatron.core.dmi.reader import open_store
 
     try:
-        open_store(store_dir).close()
+        open_store(store_dir, writable=writable).close()
     except Exception as e:
         return type(e).__name__, str(e)
     return "", ""

@@ -120,7 +120,7 @@ def test_python_consumer_still_available(tmp_path, ring):
 
 
 def test_unflushed_segment_is_a_temporary_file_until_complete(tmp_path, ring):
-    sink = SpoolSink("run-n", ParallelCoords(rank=3), str(tmp_path), segment_bytes=1 << 30)
+    sink = SpoolSink("run-n", ParallelCoords(rank=3), str(tmp_path), segment_bytes=1 << 30, segment_seconds=3600)
     drain = Drain(ring, sink, linger_bytes=0)
     publish_many(ring, 4)
     deadline = time.monotonic() + 10
@@ -166,3 +166,19 @@ def test_truncated_raw_segment_is_corrupt(tmp_path, ring):
         f.write(b"NOTDMI!!")
     with pytest.raises(CorruptSegmentError, match="bad magic"):
         read_segment(seg)
+
+
+def test_segment_closes_by_age_without_a_flush(tmp_path, ring):
+    """A live reader sees a step's records once the segment is old enough, with no flush and no
+    further record (here 0.2 s; 2 s by default)."""
+    sink = SpoolSink("run-n", ParallelCoords(rank=3), str(tmp_path), segment_bytes=1 << 30, segment_seconds=0.2)
+    drain = Drain(ring, sink, linger_bytes=0)
+    sent = publish_many(ring, 4)
+    deadline = time.monotonic() + 60
+    while not list_segments(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    segs = [s for s in list_segments(str(tmp_path)) if s.kind == "tensors"]
+    assert [s.raw for s in segs] == [True], "the open segment was closed by age"
+    check_rows(tensor_rows(str(tmp_path)), sent)
+    drain.close()
+    sink.close()

@@ -1,0 +1,133 @@
+"""Wall time of the reading CLI, each command a fresh process as a user runs it (issue 20).
+
+Arms (median and min of ``--repeats`` runs each):
+
+- ``help``:            ``megatron-dmi show --help``
+- ``show``:            ``megatron-dmi show STORE`` (the fast entry point: no torch, no megatron-core)
+- ``show_module``:     ``python -m megatron.core.dmi show STORE`` (Python imports megatron-core's
+                       package first: the price of that spelling)
+- ``show_while_held``: ``megatron-dmi show`` on a copy of STORE that another process holds open and
+                       inserts into every 0.1 s, as a training run's ingester does (snapshot reads)
+- ``chdb_sql``:        the baseline: one process opening a copy of the store with chDB and running
+                       the run-listing query, nothing else
+
+Also records the snapshot's own cost (link time, parts and files linked) and the stderr lines of
+``show`` (upstream warnings would land there). Usage::
+
+    bash examples/quickstart.sh        # makes dmi_store/quickstart
+    .venv/bin/python benchmarks/cli_speed.py dmi_store/quickstart --json benchmarks/results/cli_speed_cpu2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HOLDER = r"""
+import sys, time
+from megatron.core.dmi.sinks.backend import ChdbBackend
+b = ChdbBackend(sys.argv[1])
+b.command("CREATE TABLE IF NOT EXISTS dmi.bench_ticks (x UInt64) ENGINE = MergeTree ORDER BY x")
+print("holding", flush=True)
+i = 0
+while True:
+    b.command(f"INSERT INTO dmi.bench_ticks SELECT number + {i * 100} FROM numbers(100)")
+    i += 1
+    time.sleep(0.1)
+"""
+
+CHDB_SQL = r"""
+import sys
+from chdb import session
+s = session.Session(sys.argv[1])
+s.query("SELECT run_id, count() FROM dmi.tensors FINAL GROUP BY run_id", "CSV")
+"""
+
+
+def _cli() -> list[str]:
+    exe = shutil.which("megatron-dmi", path=os.path.dirname(sys.executable))
+    return [exe] if exe else [sys.executable, "-m", "megatron_dmi"]
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def timed(cmd: list[str], repeats: int) -> dict:
+    """Wall seconds per run, and CPU seconds (user + system: what a shared machine's load does not
+    inflate as much)."""
+    runs, cpu, stderr_lines = [], [], 0
+    for _ in range(repeats):
+        c0, t0 = _children_cpu(), time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        runs.append(time.perf_counter() - t0)
+        cpu.append(_children_cpu() - c0)
+        if p.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
+        stderr_lines = len(p.stderr.splitlines())
+    return {"median_s": statistics.median(runs), "min_s": min(runs), "runs_s": runs,
+            "cpu_median_s": statistics.median(cpu), "stderr_lines": stderr_lines}
+
+
+def snapshot_cost(store: str) -> dict:
+    """What one snapshot links, from the reader itself (in this process: no chDB open elsewhere)."""
+    code = ("import json, sys, dataclasses; import megatron_dmi; megatron_dmi._register_bare_core();"
+            "from megatron.core.dmi.reader import open_store;"
+            "s = open_store(sys.argv[1]); print(json.dumps(dataclasses.asdict(s.snapshot_stats))); s.close()")
+    p = subprocess.run([sys.executable, "-c", code, store], capture_output=True, text=True, check=True)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("store", help="a store directory (e.g. dmi_store/quickstart)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    if not os.path.isdir(os.path.join(args.store, "chdb")):
+        raise SystemExit(f"no embedded store at {args.store} (run `bash examples/quickstart.sh` first)")
+    cli = _cli()
+    arms = {
+        "help": timed(cli + ["show", "--help"], args.repeats),
+        "show": timed(cli + ["show", args.store], args.repeats),
+        "show_module": timed([sys.executable, "-m", "megatron.core.dmi", "show", args.store], args.repeats),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = os.path.join(tmp, "store")
+        shutil.copytree(args.store, copy, symlinks=True, ignore=shutil.ignore_patterns(".readers"))
+        arms["chdb_sql"] = timed([sys.executable, "-c", CHDB_SQL, os.path.join(copy, "chdb")], args.repeats)
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, os.path.join(copy, "chdb")], stdout=subprocess.PIPE,
+                                  text=True)
+        try:
+            if holder.stdout.readline().strip() != "holding":
+                raise SystemExit("the holder process did not open the store copy")
+            arms["show_while_held"] = timed(cli + ["show", copy], args.repeats)
+            snapshot = snapshot_cost(copy)
+        finally:
+            holder.kill()
+            holder.wait()
+    out = {"benchmark": "cli_speed", "machine": platform.node(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
+           "python": platform.python_version(), "store": os.path.abspath(args.store), "cli": cli, "arms": arms,
+           "snapshot_while_held": snapshot}
+    for name, a in arms.items():
+        print(f"{name:>16}: median {a['median_s']:.2f} s  min {a['min_s']:.2f} s  cpu {a['cpu_median_s']:.2f} s  "
+              f"stderr lines {a['stderr_lines']}")
+    print(f"snapshot while held: {snapshot}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

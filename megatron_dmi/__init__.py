@@ -1,0 +1,44 @@
+"""The ``megatron-dmi`` command (and ``python -m megatron_dmi``): the DMI command line without
+importing megatron-core.
+
+Python runs a package's ``__init__`` before it imports any module inside it, and
+``megatron/core/__init__.py`` (the megatron-core wheel's) imports torch and most of megatron-core:
+about 6 s and a page of CUDA/absl/Transformer Engine/apex warnings before
+``python -m megatron.core.dmi`` reaches its first line. The reading commands need none of it, so
+this entry point registers ``megatron.core`` as a bare package (its search path, not its code)
+before importing the CLI. That ``__init__`` only re-exports names (``Timers``, ``parallel_state``
+...): the first time anything asks the bare package for a name it lacks, it runs the real
+``__init__`` then, so a command that needs megatron-core (``doctor``) still gets all of it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+CORE = "megatron.core"
+
+
+def _register_bare_core() -> None:
+    if CORE in sys.modules:
+        return
+    spec = importlib.util.find_spec(CORE)  # imports `megatron`, a namespace package (no code)
+    if spec is None or spec.submodule_search_locations is None:
+        return
+    bare = importlib.util.module_from_spec(spec)  # not executed
+
+    def complete(name: str):
+        del bare.__getattr__
+        spec.loader.exec_module(bare)
+        return getattr(bare, name)
+
+    bare.__getattr__ = complete
+    sys.modules[CORE] = bare
+    sys.modules["megatron"].core = bare
+
+
+def main(argv: list[str] | None = None) -> int:
+    _register_bare_core()
+    from megatron.core.dmi.cli import main as cli_main
+
+    return cli_main(argv, prog="megatron-dmi")

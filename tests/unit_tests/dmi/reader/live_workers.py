@@ -1,0 +1,52 @@
+"""Functions the live-read tests run in fresh processes (chDB: one store per process)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def _wait_for(path: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def hold_ingester(store_dir: str, ready: str, stop: str) -> dict:
+    """A training run's ingester: owns the store, loads the spool every 0.2 s until ``stop`` exists."""
+    from megatron.core.dmi.sinks.ingest import IngesterThread
+
+    ing = IngesterThread(store_dir, poll_s=0.2).start()
+    with open(ready, "w") as f:
+        f.write("owner" if ing.owner else "not owner")
+    _wait_for(stop)
+    ing.final_ingest()
+    return {"owner": ing.owner, "records": ing.result.records, "errors": ing.result.errors}
+
+
+def hold_reader(store_dir: str, ready: str, stop: str) -> int:
+    """A reader that keeps a store open (e.g. a notebook) until ``stop`` exists."""
+    from megatron.core.dmi.reader import open_store
+
+    with open_store(store_dir) as store:
+        n = int(store.runs()["records"].sum())
+        open(ready, "w").close()
+        _wait_for(stop)
+    return n
+
+
+def records_seen(store_dir: str) -> int:
+    from megatron.core.dmi.reader import open_store
+
+    with open_store(store_dir) as store:
+        runs = store.runs()
+        return int(runs["records"].sum()) if not runs.empty else 0
+
+
+def ingest_all(store_dir: str) -> dict:
+    """What a training run's ingester does at start and at the end."""
+    from megatron.core.dmi.sinks.ingest import IngesterThread
+
+    ing = IngesterThread(store_dir).start()
+    ing.final_ingest()
+    return {"owner": ing.owner, "records": ing.result.records}
