@@ -22,13 +22,13 @@ from megatron.training import get_args, print_rank_0
 
 from megatron.core.dmi import __version__ as dmi_version
 from megatron.core.dmi.capture import GATE_ORIGINAL, Capture
-from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.config import DMIConfig, check_run_id
 from megatron.core.dmi.drain import Drain
 from megatron.core.dmi.hooks.install import HookSet, rank_coords
 from megatron.core.dmi.sinks import RunInfo, open_sink
 from megatron.core.dmi.sinks.base import SinkReport
 from megatron.core.dmi.transport import open_transport
-from megatron.training.dmi.arguments import config_from_args
+from megatron.training.dmi.arguments import config_from_args, ring_memory_problem
 from megatron.training.dmi.entry import compute_device
 
 STATE_FILE = "dmi_state_iter_{:07d}.json"
@@ -55,7 +55,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def _allocate_attempt(store_dir: str, run_id: str) -> int:
     """Attempts are numbered by exclusive creation of a marker file, so a crashed attempt that never
     saved a checkpoint still owns its number and its records stay distinguishable."""
-    folder = os.path.join(store_dir, "attempts", run_id)
+    folder = os.path.join(store_dir, "attempts", check_run_id(run_id))  # also a run id read from a state file
     os.makedirs(folder, mode=0o700, exist_ok=True)
     attempt = 1
     while True:
@@ -97,6 +97,9 @@ class DMIRuntime:
         self.run_id, self.attempt = _broadcast((run_id, attempt))
         self.resumed_from = resumed_from
         self.coords = rank_coords()
+        why = ring_memory_problem(config.ring_mb)  # again now that CUDA is initialised: the device's free memory
+        if why:
+            raise SystemExit(f"error: argument --dmi-ring-mb: {why}")
         self.transport = open_transport(config, compute_device())
         self.sink = open_sink(config, self.coords, self.run_id, is_ingester=int(os.environ.get("LOCAL_RANK", "0")) == 0)
         self.capture = Capture(config, self.transport, self.run_id, self.attempt)
@@ -128,6 +131,19 @@ class DMIRuntime:
             return None
         with open(path, encoding="utf-8") as f:
             return json.load(f)["run_id"]
+
+    def _write_state(self, iteration: int) -> None:
+        """``dmi_state_iter_N.json`` in --save, durable (fsync) before Megatron writes checkpoint N."""
+        save_dir = self.args.save
+        if not save_dir or (_dist() and torch.distributed.get_rank() != 0):
+            return
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(save_dir, STATE_FILE.format(iteration))
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump({"run_id": self.run_id, "attempt": self.attempt, "iteration": iteration}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
 
     def _write_run_info(self) -> None:
         versions = {"torch": torch.__version__, "megatron-core": metadata.version("megatron-core"), "megatron-dmi": dmi_version}
@@ -222,15 +238,11 @@ class DMIRuntime:
 
         def save_checkpoint(iteration, *args, **kwargs):
             runtime.flush()
-            out = save(iteration, *args, **kwargs)
-            save_dir = runtime.args.save
-            if save_dir and (not _dist() or torch.distributed.get_rank() == 0):
-                state = {"run_id": runtime.run_id, "attempt": runtime.attempt, "iteration": iteration}
-                tmp = os.path.join(save_dir, STATE_FILE.format(iteration) + ".tmp")
-                with open(tmp, "w", encoding="utf-8") as f:
-                    json.dump(state, f)
-                os.replace(tmp, os.path.join(save_dir, STATE_FILE.format(iteration)))
-            return out
+            # The state file goes first: a checkpoint that exists (whatever the crash point) always
+            # has its run identity beside it, so its resume continues this run. A state file whose
+            # checkpoint never completed is harmless: nothing resumes from that iteration.
+            runtime._write_state(iteration)
+            return save(iteration, *args, **kwargs)
 
         def training_log(*args, **kwargs):
             out = log(*args, **kwargs)

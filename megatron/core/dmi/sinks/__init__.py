@@ -33,7 +33,7 @@ from megatron.core.dmi.sinks.backend import (
 from megatron.core.dmi.sinks.base import Sink, SinkReport
 from megatron.core.dmi.sinks.ingest import IngestResult, IngesterThread, ingest_spool, load_table
 from megatron.core.dmi.sinks.meta import DMISinkReport, RunInfo, default_versions
-from megatron.core.dmi.sinks.schema import SCHEMA_VERSION, IdentifierError, SchemaVersionError, check_identifier
+from megatron.core.dmi.sinks.schema import SCHEMA_VERSION, IdentifierError, SchemaVersionError, check_database
 from megatron.core.dmi.sinks.sinks import DMISink, EmbeddedSink, NullSink, ServerSink, SpoolSink
 
 STORE_CHDB = "chdb"
@@ -43,7 +43,7 @@ STORE_SPOOL = "spool"
 def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingester: bool) -> DMISink:
     """The sink for this process. ``is_ingester``: this process is its node's ingester (local
     rank 0); only used by the embedded store."""
-    check_identifier(config.clickhouse_database, "--dmi-clickhouse-database")
+    check_database(config.clickhouse_database, "--dmi-clickhouse-database")
     if config.persist == "none":
         return NullSink(run_id, coords)
     store_dir = config.store_dir
