@@ -8,8 +8,11 @@ error message. Prints the port on stdout; serves until killed (or 300 s).
 """
 
 import http.server
+import os
 import sys
-import threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from http_stub import serve  # noqa: E402
 
 CLICKHOUSE_CODE = "--clickhouse-code" in sys.argv
 
@@ -37,9 +40,4 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 
 if __name__ == "__main__":
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    print(srv.server_address[1], flush=True)
-    timer = threading.Timer(300, srv.shutdown)
-    timer.daemon = True
-    timer.start()
-    srv.serve_forever()
+    serve(Handler, lifetime_s=300)

@@ -154,6 +154,13 @@ def test_ring_larger_than_host_memory_is_refused_with_the_limit(mb):
     assert _parser().parse_args(["--dmi-ring-mb", str(int(host / 2) - 1)]).dmi_ring_mb == int(host / 2) - 1
 
 
+def test_ring_limit_is_shared_by_the_processes_of_the_machine(monkeypatch):
+    host = _host_mib()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    msg = _parse_error(["--dmi-ring-mb", str(int(host / 4))])  # fits one process, not four
+    assert "of each of its 4 process(es)" in msg and f"use at most {host / 8:.0f}" in msg, msg
+
+
 @pytest.mark.parametrize("mb", ["inf", "nan", "-inf", "0"])
 def test_ring_sizes_that_are_not_finite_positive_are_refused(mb):
     assert "error: argument --dmi-ring-mb: ring size must hold at least one" in _parse_error([f"--dmi-ring-mb={mb}"])

@@ -517,7 +517,7 @@ _FLAG_VALUES = {
     "--dmi-end-iter": "integer >= start",
     "--dmi-layers": "e.g. `0,4-7`",
     "--dmi-phases": "`train`, `valid`, `train,valid`",
-    "--dmi-ring-mb": "MiB (float), at least one record, at most half the host memory (and the free GPU memory)",
+    "--dmi-ring-mb": "MiB (float), at least one record, at most half the host memory per process on the machine (and the free GPU memory)",
     "--dmi-run-id": "1-128 of `[A-Za-z0-9._-]`, starting with a letter or digit",
 }
 

@@ -62,10 +62,12 @@ def ring_memory_problem(mb: float) -> str | None:
     import torch
 
     host_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 20)
-    if 2 * mb > host_mib:
-        return (f"{mb:g} MiB does not fit this machine: the ring and its staging copy need twice that in host "
-                f"memory, which is {host_mib:.0f} MiB; use at most {host_mib / 2:.0f}")
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's processes on this machine, one ring each
+    limit = host_mib / (2 * procs)
+    if mb > limit:
+        return (f"{mb:g} MiB does not fit this machine: the ring and its staging copy of each of its {procs} "
+                f"process(es) need twice that in host memory, which is {host_mib:.0f} MiB; use at most {limit:.0f}")
+    if torch.cuda.is_initialized():  # never initialise CUDA here (before Megatron sets the device)
         free, _ = torch.cuda.mem_get_info()
         if mb * (1 << 20) > free:
             return (f"{mb:g} MiB does not fit the free memory of cuda:{torch.cuda.current_device()}, "
