@@ -58,6 +58,8 @@ def test_server_echoing_authorization_never_leaks_the_password(server, tmp_path)
         srv.kill()
         srv.wait()
     assert rc == 0, out[-4000:]
+    assert_no_secret(out, "the training output")
+    assert_no_secret_under(store)
     assert "ClickHouse server unavailable, spooling locally" in out
     line = report_line(out)
     assert "captured 64 records" in line and "spooled 64" in line and "errors:" in line, line
@@ -66,8 +68,6 @@ def test_server_echoing_authorization_never_leaks_the_password(server, tmp_path)
         assert "proxy refused the request" in report and "Authorization: Basic ***" in report, report
     else:  # a foreign error page is not shown at all
         assert "the response body is not shown" in report and "request headers were" not in report, report
-    assert_no_secret(out, "the training output")
-    assert_no_secret_under(store)
     # the spool's reports, loaded into a store: its reports.errors are clean too
     target = os.path.join(tmp, "loaded")
     rc, msg = cli("load", store, "--store", target)
