@@ -8,8 +8,8 @@ Points (each prints ``CRASH <point> at iteration <n>`` just before ``kill -9`` o
 - ``after_megatron_save``: Megatron's save_checkpoint returned for checkpoint n (the checkpoint
   and its tracker file are on disk); whatever DMI does after Megatron's save has not run.
 - ``after_save``: DMI's whole save wrapper returned for checkpoint n.
-- ``during_close``: the training ended and DMI's close has started: the drain is closed and the
-  sink's close (the final ingest) is about to run (n is unused).
+- ``during_close``: the training ended and DMI's close has started: its drain has just closed, the
+  sink's close (the final ingest) has not run (n is unused).
 """
 
 import os
@@ -22,6 +22,7 @@ sys.path.insert(0, REPO)
 import pretrain_gpt  # noqa: E402  (its import prepares the process exactly as a real run)
 
 import megatron.training.training as mt_training  # noqa: E402
+from megatron.core.dmi.drain import Drain  # noqa: E402
 from megatron.training.dmi import runtime as dmi_runtime  # noqa: E402
 
 POINT = os.environ.get("DMI_CRASH", "")
@@ -49,20 +50,24 @@ def _install() -> None:
     if POINT == "after_megatron_save":
         # DMI's wrapper calls whatever save_checkpoint it finds when it patches the loop: this one.
         mt_training.save_checkpoint = _kill_around(mt_training.save_checkpoint, before=False)
-        return
-    patch = dmi_runtime.DMIRuntime._patch_training_loop
+    elif POINT in ("before_save", "after_save"):
+        patch = dmi_runtime.DMIRuntime._patch_training_loop
 
-    def patch_then_wrap(self):
-        patch(self)
-        if POINT in ("before_save", "after_save"):
+        def patch_then_wrap(self):
+            patch(self)
             mt_training.save_checkpoint = _kill_around(mt_training.save_checkpoint, before=POINT == "before_save")
-        elif POINT == "during_close":
-            close = self.sink.close
-            self.sink.close = lambda: (_kill(), close())[1]
-        else:
-            raise SystemExit(f"unknown DMI_CRASH {POINT!r}")
 
-    dmi_runtime.DMIRuntime._patch_training_loop = patch_then_wrap
+        dmi_runtime.DMIRuntime._patch_training_loop = patch_then_wrap
+    elif POINT == "during_close":
+        close = Drain.close
+
+        def close_then_kill(self, *args, **kwargs):
+            close(self, *args, **kwargs)
+            _kill()
+
+        Drain.close = close_then_kill
+    else:
+        raise SystemExit(f"unknown DMI_CRASH {POINT!r}")
 
 
 if __name__ == "__main__":
