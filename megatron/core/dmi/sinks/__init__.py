@@ -33,7 +33,7 @@ from megatron.core.dmi.sinks.backend import (
 from megatron.core.dmi.sinks.base import Sink, SinkReport
 from megatron.core.dmi.sinks.ingest import IngestResult, IngesterThread, ingest_spool, load_table
 from megatron.core.dmi.sinks.meta import DMISinkReport, RunInfo, default_versions
-from megatron.core.dmi.sinks.schema import SCHEMA_VERSION, IdentifierError, SchemaVersionError, check_database
+from megatron.core.dmi.sinks.schema import SCHEMA_VERSION, IdentifierError, SchemaVersionError, check_database, check_identifier
 from megatron.core.dmi.sinks.sinks import DMISink, EmbeddedSink, NullSink, ServerSink, SpoolSink
 
 STORE_CHDB = "chdb"
