@@ -6,8 +6,12 @@ check. Prints the port on stdout, exits after the ping (or after 120 s).
 """
 
 import http.server
+import os
 import sys
 import threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from http_stub import serve  # noqa: E402
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -26,11 +30,4 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 
 if __name__ == "__main__":
-    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    print(srv.server_address[1], flush=True)
-    timer = threading.Timer(120, srv.shutdown)
-    timer.daemon = True
-    timer.start()
-    srv.serve_forever()
-    srv.server_close()
-    sys.exit(0)
+    serve(Handler, lifetime_s=120)

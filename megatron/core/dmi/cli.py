@@ -30,9 +30,19 @@ def add_subcommand(name: str, setup: SetupFn, help: str) -> None:
     _COMMANDS[name] = (setup, help)
 
 
+def database_arg(value: str) -> str:
+    """argparse type of every database flag (here and --dmi-clickhouse-database)."""
+    from megatron.core.dmi.sinks.schema import IdentifierError, check_database
+
+    try:
+        return check_database(value)
+    except IdentifierError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _store_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", help="store directory (--dmi-store-dir) or ClickHouse URL http(s)://host:port")
-    p.add_argument("--database", default="dmi", help="database name (default: dmi)")
+    p.add_argument("--database", type=database_arg, default="dmi", help="database name (default: dmi)")
 
 
 def _run_arg(p: argparse.ArgumentParser) -> None:
@@ -302,7 +312,7 @@ def _setup_drops(p):
 def _setup_load(p):
     p.add_argument("source", help="spool directory (holding rank-* folders) or a store directory with spool/")
     p.add_argument("--store", dest="store_target", required=True, help="target store directory or ClickHouse URL")
-    p.add_argument("--database", default="dmi")
+    p.add_argument("--database", type=database_arg, default="dmi")
     p.add_argument("--delete", action="store_true", help="delete segments once loaded")
     p.set_defaults(func=cmd_load)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,6 +29,22 @@ def parse_layers(spec: str | None) -> frozenset[int] | None:
     return frozenset(layers)
 
 
+class RunIdError(DMIError, ValueError):
+    pass
+
+
+# A run id names a folder under the store (attempts/<run id>): one path component that can never be
+# ".", "..", hidden or read as an option, and never holds a separator.
+_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def check_run_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
+        raise RunIdError(f"run id must be 1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter "
+                         f"or digit, got {str(run_id)[:140]!r}")
+    return run_id
+
+
 @dataclass
 class DMIConfig:
     hooks: frozenset[str] = frozenset()
@@ -47,6 +64,10 @@ class DMIConfig:
     record_replays: bool = False
     run_id: str | None = None
     flush_records: int = 256  # drain hands the sink batches of at most this many records
+
+    def __post_init__(self):
+        if self.run_id is not None:
+            check_run_id(self.run_id)
 
     @property
     def enabled(self) -> bool:

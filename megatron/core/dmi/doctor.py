@@ -371,11 +371,11 @@ def check_store(path: str, database: str) -> list[Check]:
 
 def check_server(url: str, database: str, password_file: str | None) -> list[Check]:
     from megatron.core.dmi.sinks import schema as S
-    from megatron.core.dmi.sinks.backend import ServerBackend, ServerURLError, parse_server_url, redact, resolve_password
+    from megatron.core.dmi.sinks.backend import ServerBackend, ServerURLError, parse_server_url, resolve_password
 
     try:
         parse_server_url(url)
-        S.check_identifier(database, "database name")
+        S.check_database(database)
     except (ServerURLError, S.IdentifierError) as e:
         return [Check("clickhouse url", "fail", str(e), "use http(s)://[user@]host:port and a plain database name")]
     try:
@@ -389,7 +389,7 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
         try:
             version = backend.query_arrow("SELECT version() AS v").column("v")[0].as_py()
         except Exception as e:
-            return [Check("clickhouse server", "fail", f"{backend.description} unreachable: {redact(str(e), password)[:300]}",
+            return [Check("clickhouse server", "fail", f"{backend.description} unreachable: {backend.redact(str(e))[:300]}",
                           "start the server or fix the URL/firewall; meanwhile train with --dmi-persist spool and "
                           "load the spool later (python -m megatron.core.dmi load)")]
         out.append(Check("clickhouse server", "ok", f"{backend.description}, version {version}"))
@@ -400,7 +400,7 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
         except S.SchemaVersionError as e:
             return out + [Check("clickhouse schema", "fail", str(e), "use another --dmi-clickhouse-database")]
         except Exception as e:
-            return out + [Check("clickhouse schema", "fail", f"cannot create the DMI tables: {redact(str(e), password)[:300]}",
+            return out + [Check("clickhouse schema", "fail", f"cannot create the DMI tables: {backend.redact(str(e))[:300]}",
                                 f"GRANT CREATE DATABASE, CREATE TABLE, INSERT, SELECT ON {database}.* to this user")]
         probe = S.qualified(database, "dmi_doctor_probe")
         try:
@@ -413,7 +413,7 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
             out.append(Check("clickhouse permissions", "ok", f"create/insert/select/drop in {database} work ({n} row)"))
         except Exception as e:
             out.append(Check("clickhouse permissions", "fail", f"insert/select in {database} failed: "
-                             f"{redact(str(e), password)[:300]}",
+                             f"{backend.redact(str(e))[:300]}",
                              f"GRANT INSERT, SELECT, CREATE TABLE, DROP TABLE ON {database}.* to this user"))
     finally:
         backend.close()
@@ -509,15 +509,15 @@ _FLAG_VALUES = {
     "--dmi-hooks": "e.g. `router`, `router,attn`, `attn.q,attn.k`, `all`, `none`",
     "--dmi-store-dir": "a directory",
     "--dmi-clickhouse-url": "`http(s)://[user@]host:port`",
-    "--dmi-clickhouse-database": "`[A-Za-z_][A-Za-z0-9_]*`",
+    "--dmi-clickhouse-database": "`[A-Za-z_][A-Za-z0-9_]*`, not `system` or `information_schema`",
     "--dmi-clickhouse-password-file": "a readable file",
     "--dmi-interval": "integer >= 1",
     "--dmi-start-iter": "integer >= 1",
     "--dmi-end-iter": "integer >= start",
     "--dmi-layers": "e.g. `0,4-7`",
     "--dmi-phases": "`train`, `valid`, `train,valid`",
-    "--dmi-ring-mb": "MiB (float), at least one record",
-    "--dmi-run-id": "1-128 of `[A-Za-z0-9._-]`",
+    "--dmi-ring-mb": "MiB (float), at least one record, at most half the host memory per process on the machine (and the free GPU memory)",
+    "--dmi-run-id": "1-128 of `[A-Za-z0-9._-]`, starting with a letter or digit",
 }
 
 

@@ -11,7 +11,7 @@ takes the step context from the loop that drives it::
             ...forward / backward...
         if saving:
             session.flush()                       # everything captured so far is durable
-            state = session.state(iteration)      # store it with the checkpoint
+            state = session.state(iteration)      # store it durably before the checkpoint is written
     report = session.close()                      # collective; report.text for rank 0's log
 
 Resuming: pass the saved ``state["run_id"]`` as ``resumed_run_id`` and the checkpoint's iteration
@@ -35,7 +35,7 @@ import torch
 
 from megatron.core.dmi import provenance
 from megatron.core.dmi.capture import GATE_ORIGINAL, Capture
-from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.config import DMIConfig, check_run_id
 from megatron.core.dmi.drain import Drain
 from megatron.core.dmi.hooks.install import HookSet, rank_coords
 from megatron.core.dmi.sinks import RunInfo, open_sink
@@ -68,7 +68,7 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 def allocate_attempt(store_dir: str, run_id: str) -> int:
     """Attempts are numbered by exclusive creation of a marker file, so a crashed attempt that never
     saved a checkpoint still owns its number and its records stay distinguishable."""
-    folder = os.path.join(store_dir, "attempts", run_id)
+    folder = os.path.join(store_dir, "attempts", check_run_id(run_id))  # also a run id read from a state file
     os.makedirs(folder, mode=0o700, exist_ok=True)
     attempt = 1
     while True:
@@ -238,7 +238,8 @@ class DMISession:
         self.drain.flush()
 
     def state(self, iteration: int) -> dict[str, Any]:
-        """What to save with the checkpoint of ``iteration`` to resume this run later."""
+        """What to save for the checkpoint of ``iteration`` to resume this run later; write it
+        durably before the checkpoint itself, so every checkpoint that exists has it."""
         return {"run_id": self.run_id, "attempt": self.attempt, "iteration": int(iteration)}
 
     # -- progress ---------------------------------------------------------------------------

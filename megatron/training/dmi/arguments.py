@@ -12,7 +12,8 @@ import urllib.parse
 import urllib.request
 
 from megatron.core.dmi.catalog import HookSelectionError, ModelShape, parse_hooks, record_bytes
-from megatron.core.dmi.config import DMIConfig, LayerRangeError, parse_layers
+from megatron.core.dmi.cli import database_arg
+from megatron.core.dmi.config import DMIConfig, LayerRangeError, RunIdError, check_run_id, parse_layers
 from megatron.core.dmi.records import PHASES
 from megatron.core.dmi.transport.base import SLOT_ALIGN
 
@@ -54,6 +55,26 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def ring_memory_problem(mb: float) -> str | None:
+    """Why a ring of ``mb`` MiB cannot be allocated here, or None. Host memory must hold the ring
+    and its staging copy (host ring) or the pinned staging copy (CUDA ring); a CUDA ring must also
+    fit the device's free memory, known only once CUDA is initialised (never initialised here)."""
+    import torch
+
+    host_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 20)
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's processes on this machine, one ring each
+    limit = host_mib / (2 * procs)
+    if mb > limit:
+        return (f"{mb:g} MiB does not fit this machine: the ring and its staging copy of each of its {procs} "
+                f"process(es) need twice that in host memory, which is {host_mib:.0f} MiB; use at most {limit:.0f}")
+    if torch.cuda.is_initialized():  # never initialise CUDA here (before Megatron sets the device)
+        free, _ = torch.cuda.mem_get_info()
+        if mb * (1 << 20) > free:
+            return (f"{mb:g} MiB does not fit the free memory of cuda:{torch.cuda.current_device()}, "
+                    f"{free / (1 << 20):.0f} MiB")
+    return None
+
+
 def _ring_mb(value: str) -> float:
     try:
         mb = float(value)
@@ -61,6 +82,9 @@ def _ring_mb(value: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a size in MiB, got {value!r}") from None
     if not mb * (1 << 20) >= SLOT_ALIGN or mb != mb or mb == float("inf"):
         raise argparse.ArgumentTypeError(f"ring size must hold at least one {SLOT_ALIGN}-byte slot, got {value!r} MiB")
+    why = ring_memory_problem(mb)
+    if why:
+        raise argparse.ArgumentTypeError(why)
     return mb
 
 
@@ -97,19 +121,11 @@ def _clickhouse_url(value: str) -> str:
     return value
 
 
-def _database(value: str) -> str:
-    from megatron.core.dmi.sinks.schema import IdentifierError, check_identifier
-
-    try:
-        return check_identifier(value, "database name")
-    except IdentifierError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _run_id(value: str) -> str:
-    if not value or len(value) > 128 or not all(c.isalnum() or c in "-_." for c in value):
-        raise argparse.ArgumentTypeError(f"run id must be 1-128 letters, digits, '-', '_' or '.', got {value!r}")
-    return value
+    try:
+        return check_run_id(value)
+    except RunIdError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_dmi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -124,7 +140,7 @@ def add_dmi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="store and spool directory (default: <--save>/dmi_store, else ./dmi_store)")
     g.add_argument("--dmi-clickhouse-url", type=_clickhouse_url, default=None,
                    help=f"ClickHouse server http(s)://host:port (password from ${PASSWORD_ENV} or the file flag)")
-    g.add_argument("--dmi-clickhouse-database", type=_database, default="dmi",
+    g.add_argument("--dmi-clickhouse-database", type=database_arg, default="dmi",
                    help="database name, in the server or the embedded store (letters, digits, '_')")
     g.add_argument("--dmi-clickhouse-password-file", default=None, help="file holding the ClickHouse password")
     g.add_argument("--dmi-interval", type=_positive_int, default=1, help="capture every N-th iteration")

@@ -22,7 +22,7 @@ from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writ
 
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.session import DMISession
-from megatron.training.dmi.arguments import config_from_args
+from megatron.training.dmi.arguments import config_from_args, ring_memory_problem
 from megatron.training.dmi.entry import compute_device
 from megatron.training.dmi.scalars import RouterScalars, wanted as scalars_wanted
 
@@ -57,6 +57,9 @@ class DMIRuntime:
         self.config = config
         self.args = args
         resumed_from = args.iteration if (args.load and args.iteration) else None
+        why = ring_memory_problem(config.ring_mb)  # again now that CUDA is initialised: the device's free memory
+        if why:
+            raise SystemExit(f"error: argument --dmi-ring-mb: {why}")
         self.session = DMISession(
             config,
             resumed_run_id=self._resumed_run_id(resumed_from),
@@ -94,6 +97,19 @@ class DMIRuntime:
         with open(path, encoding="utf-8") as f:
             return json.load(f)["run_id"]
 
+    def _write_state(self, iteration: int) -> None:
+        """``dmi_state_iter_N.json`` in --save, durable (fsync) before Megatron writes checkpoint N."""
+        save_dir = self.args.save
+        if not save_dir or (_dist() and torch.distributed.get_rank() != 0):
+            return
+        os.makedirs(save_dir, exist_ok=True)
+        path = os.path.join(save_dir, STATE_FILE.format(iteration))
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(self.session.state(iteration), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+
     # -- the training loop ------------------------------------------------------------------
     def end_training(self) -> None:
         """The training loop returned: later forwards (pretrain's final evaluations) are not captured."""
@@ -115,15 +131,11 @@ class DMIRuntime:
 
         def save_checkpoint(iteration, *args, **kwargs):
             runtime.flush()
-            out = save(iteration, *args, **kwargs)
-            save_dir = runtime.args.save
-            if save_dir and (not _dist() or torch.distributed.get_rank() == 0):
-                state = runtime.session.state(iteration)
-                tmp = os.path.join(save_dir, STATE_FILE.format(iteration) + ".tmp")
-                with open(tmp, "w", encoding="utf-8") as f:
-                    json.dump(state, f)
-                os.replace(tmp, os.path.join(save_dir, STATE_FILE.format(iteration)))
-            return out
+            # The state file goes first: a checkpoint that exists (whatever the crash point) always
+            # has its run identity beside it, so its resume continues this run. A state file whose
+            # checkpoint never completed is harmless: nothing resumes from that iteration.
+            runtime._write_state(iteration)
+            return save(iteration, *args, **kwargs)
 
         def training_log(*args, **kwargs):
             out = log(*args, **kwargs)

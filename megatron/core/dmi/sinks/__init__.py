@@ -34,7 +34,7 @@ _EXPORTS = {
     "base": ["Sink", "SinkReport"],
     "ingest": ["IngestResult", "IngesterThread", "ingest_spool", "load_table"],
     "meta": ["DMISinkReport", "RunInfo"],
-    "schema": ["SCHEMA_VERSION", "IdentifierError", "SchemaVersionError", "check_identifier"],
+    "schema": ["SCHEMA_VERSION", "IdentifierError", "SchemaVersionError", "check_database", "check_identifier"],
     "sinks": ["DMISink", "EmbeddedSink", "NullSink", "ServerSink", "SpoolSink"],
 }
 _MODULE_OF = {name: mod for mod, names in _EXPORTS.items() for name in names}
@@ -53,10 +53,10 @@ def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingeste
     """The sink for this process. ``is_ingester``: this process is its node's ingester (local
     rank 0); only used by the embedded store."""
     from megatron.core.dmi.sinks.backend import resolve_password
-    from megatron.core.dmi.sinks.schema import check_identifier
+    from megatron.core.dmi.sinks.schema import check_database
     from megatron.core.dmi.sinks.sinks import EmbeddedSink, NullSink, ServerSink, SpoolSink
 
-    check_identifier(config.clickhouse_database, "--dmi-clickhouse-database")
+    check_database(config.clickhouse_database, "--dmi-clickhouse-database")
     if config.persist == "none":
         return NullSink(run_id, coords)
     store_dir = config.store_dir

@@ -8,6 +8,7 @@ spliced into SQL text.
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import io
 import os
@@ -138,7 +139,7 @@ class ChdbBackend(Backend):
     path per process (a chDB limit); opening the same path twice in a process shares the session."""
 
     def __init__(self, path: str, database: str = S.DEFAULT_DATABASE):
-        self.database = S.check_identifier(database, "database name")
+        self.database = S.check_database(database)
         self.path = os.path.realpath(path)
         self.description = f"at {path}"
         with _open_lock:
@@ -268,17 +269,44 @@ def resolve_password(explicit: str | None = None, password_file: str | None = No
     return ""
 
 
-def redact(text: str, secret: str | None) -> str:
-    if secret:
-        text = text.replace(secret, "***")
-    # belt and braces: never echo anything that looks like a credential pair from a URL
-    return re.sub(r"(//[^/@\s:]+):[^@\s/]+@", r"\1:***@", text)
+# The value of an Authorization header however it is echoed back: raw (``Authorization: Basic x``),
+# as a dict or JSON (``'authorization': 'Basic x'``), or as a query/form pair (``authorization=x``).
+_AUTH_VALUE = re.compile(r"(?i)(\b(?:proxy-)?authorization['\"]?\s*[:=]\s*['\"]?(?:(?:basic|bearer|digest)\s+)?)[^\s'\",;}&]+")
+# Everything between a scheme's // and the next @: a URL's user name and password, whatever they hold.
+_URL_USERINFO = re.compile(r"//[^\s@]*@")
+# The body of an HTTP error that did not come from ClickHouse (no exception code): a proxy's page,
+# possibly echoing the request's headers; clickhouse-connect words it this way.
+_FOREIGN_BODY = re.compile(r"(HTTP driver received HTTP status \d+), server response: .*", re.S)
+
+
+def secret_forms(secret: str | None, username: str | None = None) -> list[str]:
+    """Every form in which a request carried the password and a server may echo it: plain,
+    URL-quoted, and base64 (with and without padding) of ``user:password`` (HTTP Basic) and of the
+    password alone. Longest first, so no form is cut by a shorter one before it is replaced."""
+    if not secret:
+        return []
+    forms = {secret, urllib.parse.quote(secret, safe="")}
+    for raw in (f"{username or 'default'}:{secret}", secret):
+        for encode in (base64.b64encode, base64.urlsafe_b64encode):
+            encoded = encode(raw.encode()).decode()
+            forms.update((encoded, encoded.rstrip("=")))
+    return sorted(forms, key=len, reverse=True)
+
+
+def redact(text: str, secret: str | None, username: str | None = None) -> str:
+    """``text`` safe to print, report and store: no password in any form, no Authorization header
+    value, no URL user info, and no raw body of a non-ClickHouse error response."""
+    for form in secret_forms(secret, username):
+        text = text.replace(form, "***")
+    text = _FOREIGN_BODY.sub(r"\1 (the response body is not shown: it did not come from ClickHouse)", text)
+    text = _AUTH_VALUE.sub(r"\1***", text)
+    return _URL_USERINFO.sub("//***@", text)
 
 
 class ServerBackend(Backend):
     def __init__(self, url: str, database: str = S.DEFAULT_DATABASE, password: str | None = None,
                  connect_timeout: float = 3.0, send_receive_timeout: float = 60.0):
-        self.database = S.check_identifier(database, "database name")
+        self.database = S.check_database(database)
         self._kw = parse_server_url(url)
         self.description = f"at {self._kw['host']}:{self._kw['port']}"
         self._password = password if password is not None else resolve_password()
@@ -298,8 +326,7 @@ class ServerBackend(Backend):
                     settings={"output_format_arrow_string_as_string": 0},
                 )
             except Exception as e:  # never let the password leak through an exception text
-                raise BackendError(f"cannot connect to ClickHouse {self.description}: "
-                                   f"{redact(str(e), self._password)}") from None
+                raise BackendError(f"cannot connect to ClickHouse {self.description}: {self.redact(str(e))}") from None
         return self._client
 
     def _wrap(self, fn):
@@ -310,7 +337,10 @@ class ServerBackend(Backend):
             raise
         except Exception as e:
             self._client = None  # reconnect next time
-            raise BackendError(f"ClickHouse {self.description}: {type(e).__name__}: {redact(str(e), self._password)}") from None
+            raise BackendError(f"ClickHouse {self.description}: {type(e).__name__}: {self.redact(str(e))}") from None
+
+    def redact(self, text: str) -> str:
+        return redact(text, self._password, self._kw["username"])
 
     def ping(self) -> bool:
         try:

@@ -39,6 +39,18 @@ def check_identifier(name: str, what: str = "identifier") -> str:
     return name
 
 
+# ClickHouse's own databases: DMI's tables there would be unreachable or clash with the server's.
+RESERVED_DATABASES = frozenset({"system", "information_schema"})
+
+
+def check_database(name: str, what: str = "database name") -> str:
+    """A plain identifier that is not one of ClickHouse's reserved databases (in any case)."""
+    check_identifier(name, what)
+    if name.lower() in RESERVED_DATABASES:
+        raise IdentifierError(f"{what} {name!r} is reserved by ClickHouse; use your own database (default: dmi)")
+    return name
+
+
 def qualified(database: str, table: str) -> str:
     return f"{check_identifier(database, 'database name')}.{check_identifier(table, 'table name')}"
 

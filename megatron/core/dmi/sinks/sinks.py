@@ -27,7 +27,7 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from megatron.core.dmi.records import ParallelCoords, RecordKey, table_nbytes
 from megatron.core.dmi.sinks import schema as S
-from megatron.core.dmi.sinks.backend import BackendError, ServerBackend, redact
+from megatron.core.dmi.sinks.backend import BackendError, ServerBackend
 from megatron.core.dmi.sinks.base import Sink
 from megatron.core.dmi.sinks.ingest import IngesterThread, IngestResult, ingest_spool, load_table
 from megatron.core.dmi.sinks.meta import (
@@ -436,7 +436,6 @@ class ServerSink(_BufferedSink):
                  segment_bytes: int = 16 << 20, **kw):
         super().__init__(run_id, coords, spool_root, segment_bytes=segment_bytes, **kw)
         self.backend = ServerBackend(url, database, password, connect_timeout=connect_timeout)
-        self._password = self.backend._password
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
         self._retry_s = retry_initial_s
@@ -451,14 +450,14 @@ class ServerSink(_BufferedSink):
     def _down(self, e: Exception) -> None:
         if self._up or not self._warned:
             msg = (f"DMI: ClickHouse server unavailable, spooling locally to {self.spool.dir} and retrying: "
-                   f"{redact(str(e), self._password)}")
+                   f"{self.backend.redact(str(e))}")
             warnings.warn(msg, RuntimeWarning, stacklevel=4)
             log.warning(msg)
             self._warned = True
         self._up = False
         self._next_retry = time.monotonic() + self._retry_s
         self._retry_s = min(self.retry_max_s, self._retry_s * 2)
-        msg = redact(str(e), self._password)
+        msg = self.backend.redact(str(e))
         with self._buf_lock:
             if msg not in self.report.errors:
                 self.report.errors.append(msg[:2000])
