@@ -1,10 +1,12 @@
 """Launch pretrain_gpt.py for tests, with two optional extras (both off unless their variable is set):
 
 * ``DMI_ORACLE_OUT``: an independent oracle: plain PyTorch forward hooks on the same TopKRouters
-  and core-attention modules that copy what the model computed synchronously, keyed by (iteration,
-  microbatch, layer), gathered to the full tensor over the tensor-parallel group with a collective
-  inside the hook when the layout shards it (sequence parallelism for router outputs, heads for
-  attention), and written to $DMI_ORACLE_OUT/oracle-rank<R>.pt at exit. Tests compare DMI's
+  and core-attention modules, and on the transformer layers themselves (their input, their output
+  and their MLP block's output: DMI takes the residual stream at the layer's input norm and the
+  block's final norm instead), that copy what the model computed synchronously, keyed by
+  (iteration, microbatch, layer), gathered to the full tensor over the tensor-parallel group with a
+  collective inside the hook when the layout shards it (sequence parallelism for token rows, heads
+  for attention), and written to $DMI_ORACLE_OUT/oracle-rank<R>.pt at exit. Tests compare DMI's
   reconstructed records bitwise with what the model really computed in the same run.
 * ``DMI_TEST_KILL_AFTER_ITER=N``: the process kills itself with SIGKILL right after Megatron logs
   iteration N (a crash with no clean-up: what DMI had not flushed is lost, as in a real failure).
@@ -69,7 +71,10 @@ def router_oracle(router, args, output):
         logits = logits.reshape(-1, logits.shape[-1])
         if router.config.sequence_parallel:  # each TP rank routed its own sequence shard
             logits, probs, routing_map = (_gather_tp(x, 0) for x in (logits, probs, routing_map))
-    oracle.setdefault((iteration, microbatch, layer), {}).update({
+    entry = oracle.setdefault((iteration, microbatch, layer), {})
+    if microbatch == 0:  # the weight this iteration's forwards use
+        entry["router.weight"] = router.weight.detach().cpu().clone()
+    entry.update({
         "router.logits": logits.detach().cpu().clone(),
         "probs": probs.detach().cpu().clone(),
         "routing_map": routing_map.detach().cpu().clone(),
@@ -93,6 +98,39 @@ def attention_oracle(layer_number):
 
 
 attn_calls: collections.Counter = collections.Counter()
+layer_calls: collections.Counter = collections.Counter()
+
+
+def layer_oracles(layer_module):
+    """The layer's input hidden states, its MLP block's output and (last layer) its output, gathered
+    over TP under sequence parallelism (each TP rank holds its own sequence shard)."""
+    layer = layer_module.layer_number - 1
+    sequence_parallel = layer_module.config.sequence_parallel
+    last = layer_module.layer_number == layer_module.config.num_layers
+
+    def keep(kind: str, output: str, t: torch.Tensor, module) -> None:
+        if not _training_forward(module):
+            return
+        iteration = get_args().curr_iteration + 1
+        microbatch = layer_calls[(kind, iteration, layer)]
+        layer_calls[(kind, iteration, layer)] += 1
+        with torch.no_grad():
+            t = _gather_tp(t.detach(), 0) if sequence_parallel else t.detach()
+        oracle.setdefault((iteration, microbatch, layer), {})[output] = t.cpu().clone()
+
+    def layer_input(module, args, kwargs):
+        keep("in", "resid.in", kwargs["hidden_states"], module)
+
+    def layer_output(module, args, output):
+        keep("out", "resid.out", output[0], module)
+
+    def mlp_output(module, args, output):
+        keep("mlp", "mlp.out", output[0], module)
+
+    layer_module.register_forward_pre_hook(layer_input, with_kwargs=True)
+    layer_module.mlp.register_forward_hook(mlp_output)
+    if last:
+        layer_module.register_forward_hook(layer_output)
 
 
 upstream_model_provider = pretrain_gpt.model_provider
@@ -105,6 +143,8 @@ def model_provider(*args, **kwargs):
             m.register_forward_hook(router_oracle)
         if isinstance(m, TransformerLayer) and getattr(m.self_attention, "core_attention", None) is not None:
             m.self_attention.core_attention.register_forward_hook(attention_oracle(m.layer_number))
+        if isinstance(m, TransformerLayer):
+            layer_oracles(m)
     return model
 
 

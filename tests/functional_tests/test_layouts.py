@@ -1,5 +1,5 @@
 """Distributed fidelity: for each parallel layout, several real processes (torch.distributed.run,
-gloo, CPU development mode) train the same tiny MoE with --dmi-hooks router,attn and
+gloo, CPU development mode) train the same tiny MoE with --dmi-hooks router,attn,resid,mlp and
 --dmi-persist spool; the spool is loaded into a store in another process and
 
 * the stored record count equals the analytic count (layouts.expected_record_counts);
@@ -24,6 +24,9 @@ from tests.functional_tests.layouts import BASE_ARGS, BY_NAME, LAYOUTS, Layout, 
 
 ROUTER = ("router.logits", "router.topk_ids", "router.topk_probs", "router.expert_counts")
 ALL = ROUTER + ("attn.context",)
+# compared wherever the oracle saw them: resid.out only at the last layer, router.weight only at
+# microbatch 0 of MoE layers (and stored by DP rank 0 only)
+RESID_MLP = ("resid.in", "resid.out", "mlp.out", "router.weight")
 
 # Outputs whose iteration-1 tensors equal a single-rank run bitwise, per layout. Why not the rest:
 # - TP: the attention output projection is row-parallel: each rank multiplies its heads' part and
@@ -37,11 +40,12 @@ ALL = ROUTER + ("attn.context",)
 # - PP: each pipeline stage seeds its generator with seed + 100 * pp_rank, so stage 1's weights
 #   differ from the single-rank model's layers there; stage 0's layers match.
 SINGLE_RANK_BITWISE: dict[str, set[tuple[str, int]]] = {}  # filled from the table below
-_EXACT_LAYER0 = {(o, 0) for o in ALL}
-_ALL2 = {(o, l) for o in ALL for l in (0, 1)}
+# EP: layer 0's input and router weight match; its MLP output holds the differently drawn experts.
+_EXACT_LAYER0 = {(o, 0) for o in ALL} | {("resid.in", 0), ("router.weight", 0)}
+_ALL2 = {(o, l) for o in ALL + RESID_MLP for l in (0, 1) if o != "resid.out"} | {("resid.out", 1)}
 SINGLE_RANK_EXPECT = {
     "dp2": _ALL2,
-    "pp2": _EXACT_LAYER0,
+    "pp2": _EXACT_LAYER0 | {("mlp.out", 0)},
     "ep2_alltoall": _EXACT_LAYER0,
     "ep2_allgather": _EXACT_LAYER0,
     "ep2_capacity": None,  # different capacity factor from the reference run: in-run oracle only
@@ -118,7 +122,7 @@ def test_layout(name, tmp_path_factory):
     assert sorted(topo) == list(range(layout.nproc))
 
     # 2. reconstructed tensors == in-run oracle (gathered over TP inside the run), bitwise
-    compared = 0
+    compared, compared_resid = 0, {}
     for rank, entries in res["oracle"].items():
         t = topo[rank]
         if int(t["tp"]) != 0:
@@ -129,6 +133,10 @@ def test_layout(name, tmp_path_factory):
             got = {o: dump["tensors"][key + (o, 0, dp)] for o in (("attn.context",) if layout.dense else ALL)}
             assert _bitwise(got["attn.context"], seen["attn.context"]), (name, key, dp)
             compared += 1
+            for output in RESID_MLP:
+                if output in seen and (output != "router.weight" or dp == 0):
+                    assert _bitwise(dump["tensors"][key + (output, 0, dp)], seen[output]), (name, key, dp, output)
+                    compared_resid[output] = compared_resid.get(output, 0) + 1
             if layout.dense:
                 continue
             assert _bitwise(got["router.logits"], seen["router.logits"]), (name, key, dp)
@@ -136,7 +144,11 @@ def test_layout(name, tmp_path_factory):
             counts_after = seen["routing_map"].sum(0).to(torch.int32)
             assert torch.equal(got["router.expert_counts"][1], counts_after), (name, key, dp)
     tp = int(layout.value("--tensor-model-parallel-size", "1"))
-    assert compared == expected_record_counts(res["args"], res["nproc"])["attn.context"] // tp
+    expected = expected_record_counts(res["args"], res["nproc"])
+    assert compared == expected["attn.context"] // tp
+    producers = tp if layout.has("--sequence-parallel") else 1  # records per full tensor
+    assert compared_resid == {o: expected[o] // (producers if o != "router.weight" else 1)
+                              for o in RESID_MLP if o in expected}, compared_resid
 
     if name == "ep2_capacity":
         ids = torch.cat([v for k, v in dump["tensors"].items() if k[4] == "router.topk_ids"])
@@ -156,8 +168,12 @@ def test_layout(name, tmp_path_factory):
         ref = single[(phase, 1, mb * dp_size + dp, layer, output, inv, 0)]
         if _bitwise(t, ref):
             equal.add((output, layer, mb, dp))
-    per_output = {(o, l) for (o, l, _, _) in equal
-                  if all((o, l, m, d) in equal for m in range(2 // dp_size) for d in range(dp_size))}
+    def slots(output):  # the (microbatch, dp) records of one iteration (a weight: microbatch 0 of DP 0)
+        if output == "router.weight":
+            return [(0, 0)]
+        return [(m, d) for m in range(2 // dp_size) for d in range(dp_size)]
+
+    per_output = {(o, l) for (o, l, _, _) in equal if all((o, l, m, d) in equal for m, d in slots(o))}
     assert expect <= per_output, f"{name}: expected bitwise equal to single-rank {sorted(expect - per_output)}; equal: {sorted(per_output)}"
 
 

@@ -11,6 +11,14 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 Combine = Literal["concat", "sum"]
+# Which transformer layers record an output: every layer, MoE layers only, or the model's last layer.
+Scope = Literal["layer", "moe_layer", "last_layer"]
+# Which ranks of one model replica publish a record of one (iteration, microbatch, layer):
+# - "sequence": the rows are tokens; under sequence parallelism each TP rank publishes its own token
+#   shard, without it every TP rank holds the same rows and TP rank 0 publishes them;
+# - "tensor": every TP rank publishes its shard along ``shard_dim`` (attention heads);
+# - "one": a replicated value (a weight) published by TP rank 0 of data-parallel rank 0 only.
+Producers = Literal["sequence", "tensor", "one"]
 
 
 @dataclass(frozen=True)
@@ -28,11 +36,16 @@ class ModelShape:
     sequence_parallel: bool = False
     router_itemsize: int = 4
     model_itemsize: int = 4
+    hidden: int = 0
+
+    @property
+    def seq_local(self) -> int:
+        """Sequence positions on this rank (its shard under sequence parallelism)."""
+        return self.seq_length // self.tp if self.sequence_parallel and self.tp > 1 else self.seq_length
 
     @property
     def router_tokens(self) -> int:
-        seq = self.seq_length // self.tp if self.sequence_parallel and self.tp > 1 else self.seq_length
-        return seq * self.micro_batch
+        return self.seq_local * self.micro_batch
 
 
 @dataclass(frozen=True)
@@ -48,6 +61,9 @@ class HookOutput:
     combine: Combine = "concat"
     shard_dim: int | None = None
     opt_in: bool = False  # captured only when named explicitly (or with "all")
+    scope: Scope = "layer"
+    producers: Producers = "sequence"
+    per_microbatch: bool = True  # False: once per captured (phase, iteration), at microbatch 0
     # (local shape, itemsize) for a model; record sizes and counts are derived from it
     local_shape: Callable[[ModelShape], tuple[tuple[int, ...], int]] = lambda m: ((), 0)
 
@@ -56,43 +72,73 @@ OUTPUTS: tuple[HookOutput, ...] = (
     HookOutput(
         "router.logits", "router", "[tokens, E]", "router dtype",
         "Raw gating logits of every token for every expert, before top-k and capacity dropping.",
+        scope="moe_layer",
         local_shape=lambda m: ((m.router_tokens, m.num_experts), m.router_itemsize),
     ),
     HookOutput(
         "router.topk_ids", "router", "[tokens, k]", "int32",
         "Chosen experts per token, ordered by routing probability (ties: lower id first). A slot "
         "dropped by the capacity factor holds the sentinel E (the number of experts).",
+        scope="moe_layer",
         local_shape=lambda m: ((m.router_tokens, m.topk), 4),
     ),
     HookOutput(
         "router.topk_probs", "router", "[tokens, k]", "router dtype",
         "Routing weight of each slot of router.topk_ids; 0 for a dropped slot.",
+        scope="moe_layer",
         local_shape=lambda m: ((m.router_tokens, m.topk), m.router_itemsize),
     ),
     HookOutput(
         "router.expert_counts", "router", "[2, E]", "int32",
         "Tokens routed to each expert: row 0 before capacity dropping, row 1 after. Token shards sum.",
-        combine="sum",
+        combine="sum", scope="moe_layer",
         local_shape=lambda m: ((2, m.num_experts), 4),
     ),
     HookOutput(
         "attn.context", "attn", "[s, b, heads_local * d]", "model dtype",
         "Core-attention output before the output projection. Tensor parallelism shards the last dim "
         "by heads.",
-        shard_dim=-1,
+        shard_dim=-1, producers="tensor",
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.heads // m.tp * m.head_dim), m.model_itemsize),
     ),
     HookOutput(
         "attn.q", "attn", "[s, b, heads_local, d]", "model dtype",
         "Query after rotary embedding (opt-in). With attn.k it rebuilds any head's attention pattern.",
-        shard_dim=2, opt_in=True,
+        shard_dim=2, opt_in=True, producers="tensor",
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.heads // m.tp, m.head_dim), m.model_itemsize),
     ),
     HookOutput(
         "attn.k", "attn", "[s, b, groups_local, d]", "model dtype",
         "Key after rotary embedding (opt-in); one head per query group under GQA.",
-        shard_dim=2, opt_in=True,
+        shard_dim=2, opt_in=True, producers="tensor",
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.query_groups // m.tp, m.head_dim), m.model_itemsize),
+    ),
+    HookOutput(
+        "resid.in", "resid", "[s_local, b, h]", "model dtype",
+        "Hidden states entering the transformer layer (the residual stream before its input norm); "
+        "layer 0's is the embedding output. Sequence parallelism shards dim 0 over TP ranks.",
+        local_shape=lambda m: ((m.seq_local, m.micro_batch, m.hidden), m.model_itemsize),
+    ),
+    HookOutput(
+        "resid.out", "resid", "[s_local, b, h]", "model dtype",
+        "Output of the model's last transformer layer, before the final norm (recorded under that "
+        "layer's number). Sequence parallelism shards dim 0 over TP ranks.",
+        scope="last_layer",
+        local_shape=lambda m: ((m.seq_local, m.micro_batch, m.hidden), m.model_itemsize),
+    ),
+    HookOutput(
+        "router.weight", "resid", "[E, h]", "model dtype",
+        "The router's weight matrix as used by the iteration's forward, once per captured iteration "
+        "(microbatch 0, published by TP rank 0 of DP rank 0: every other rank holds the same "
+        "values). With resid.in it lets routing be predicted from the store alone.",
+        scope="moe_layer", producers="one", per_microbatch=False,
+        local_shape=lambda m: ((m.num_experts, m.hidden), m.model_itemsize),
+    ),
+    HookOutput(
+        "mlp.out", "mlp", "[s_local, b, h]", "model dtype",
+        "Output of the layer's MLP or MoE block (shared expert included) in token order, before its "
+        "bias and the residual add. Sequence parallelism shards dim 0 over TP ranks.",
+        local_shape=lambda m: ((m.seq_local, m.micro_batch, m.hidden), m.model_itemsize),
     ),
 )
 
@@ -110,6 +156,27 @@ def record_bytes(output: str, model: ModelShape) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def producers_per_replica(output: str, tp: int, sequence_parallel: bool, dp_rank0: bool = True) -> int:
+    """Ranks of one model replica (a TP group) that publish a record of ``output`` per firing;
+    ``dp_rank0`` says whether the replica is data-parallel rank 0 (the only one publishing "one")."""
+    producers = BY_NAME[output].producers
+    if producers == "one":
+        return 1 if dp_rank0 else 0
+    if producers == "tensor" or (sequence_parallel and tp > 1):
+        return tp
+    return 1
+
+
+def layers_in_scope(output: str, layers: list[int], num_layers: int, moe_layers: set[int]) -> list[int]:
+    """The selected global layers that record ``output``."""
+    scope = BY_NAME[output].scope
+    if scope == "moe_layer":
+        return [layer for layer in layers if layer in moe_layers]
+    if scope == "last_layer":
+        return [layer for layer in layers if layer == num_layers - 1]
+    return list(layers)
 
 
 class HookSelectionError(ValueError):
@@ -140,17 +207,55 @@ def outputs_of_group(group: str, selected: frozenset[str]) -> list[str]:
     return [o.name for o in OUTPUTS if o.group == group and o.name in selected]
 
 
+_PUBLISHED_BY = {"sequence": "every TP rank with SP, else TP rank 0", "tensor": "every TP rank",
+                 "one": "TP rank 0 of DP rank 0"}
+_SCOPE = {"layer": "every layer", "moe_layer": "MoE layers", "last_layer": "last layer"}
+
+# Reference models for the sizes table of docs/hooks.md: the functional tests' tiny MoE (fp32) and a
+# large bf16 MoE (hidden 4096, 64 experts, top-8, 32 heads of 128, 4096 tokens per microbatch).
+SIZE_MODELS = {
+    "tiny (fp32)": ModelShape(seq_length=32, micro_batch=2, num_experts=4, topk=2, heads=4, query_groups=4,
+                              head_dim=16, hidden=64),
+    "large (bf16)": ModelShape(seq_length=4096, micro_batch=1, num_experts=64, topk=8, heads=32, query_groups=8,
+                               head_dim=128, hidden=4096, router_itemsize=4, model_itemsize=2),
+}
+
+
+def size_per_token(output: str, model: ModelShape) -> float:
+    """Bytes one layer's record of ``output`` costs per token of a microbatch on one TP rank
+    (a once-per-iteration output: its whole record, not per token)."""
+    n = record_bytes(output, model)
+    return n if not BY_NAME[output].per_microbatch else n / model.router_tokens
+
+
 def markdown_table() -> str:
-    """The catalog as the markdown table in docs/hooks.md (a test keeps the doc in sync)."""
+    """The catalog as the markdown tables in docs/hooks.md (a test keeps the doc in sync)."""
     lines = [
-        "| output | group | local shape | dtype | shards combine by | opt-in | meaning |",
-        "|---|---|---|---|---|---|---|",
+        "| output | group | local shape | dtype | shards combine by | recorded at | published by | opt-in | meaning |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for o in OUTPUTS:
         how = "sum over token shards" if o.combine == "sum" else (
             "token range on dim 0" + (f", shard index on dim {o.shard_dim}" if o.shard_dim is not None else "")
         )
+        when = _SCOPE[o.scope] + ("" if o.per_microbatch else ", once per iteration")
         lines.append(
-            f"| `{o.name}` | `{o.group}` | {o.shape} | {o.dtype} | {how} | {'yes' if o.opt_in else 'no'} | {o.doc} |"
+            f"| `{o.name}` | `{o.group}` | {o.shape} | {o.dtype} | {how} | {when} | {_PUBLISHED_BY[o.producers]} "
+            f"| {'yes' if o.opt_in else 'no'} | {o.doc} |"
         )
+    lines += [
+        "",
+        "Bytes per token per layer of one TP rank (TP = 1 below); a once-per-iteration output gives "
+        "its whole record:",
+        "",
+        "| output | " + " | ".join(SIZE_MODELS) + " |",
+        "|---|" + "---|" * len(SIZE_MODELS),
+    ]
+    for o in OUTPUTS:
+        cells = []
+        for model in SIZE_MODELS.values():
+            size = size_per_token(o.name, model)
+            text = f"{size:,.2f}".rstrip("0").rstrip(".")
+            cells.append(f"{text} per iteration" if not o.per_microbatch else text)
+        lines.append(f"| `{o.name}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -11,7 +11,7 @@ import os
 import urllib.parse
 import urllib.request
 
-from megatron.core.dmi.catalog import HookSelectionError, ModelShape, parse_hooks, record_bytes
+from megatron.core.dmi.catalog import BY_NAME, HookSelectionError, ModelShape, parse_hooks, record_bytes
 from megatron.core.dmi.config import DMIConfig, LayerRangeError, parse_layers
 from megatron.core.dmi.records import PHASES
 from megatron.core.dmi.transport.base import SLOT_ALIGN
@@ -193,6 +193,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
         sequence_parallel=args.sequence_parallel,
         router_itemsize={"fp32": 4, "fp64": 8}.get(args.moe_router_dtype, itemsize),
         model_itemsize=itemsize,
+        hidden=args.hidden_size,
     )
 
 
@@ -220,7 +221,8 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
     if not args.dmi_hooks:
         return
     shape = model_shape(args)
-    if any(o.startswith("router.") for o in args.dmi_hooks) and not args.num_experts:
+    # router.weight (group resid) just has no layer to record on a dense model
+    if any(BY_NAME[o].group == "router" for o in args.dmi_hooks) and not args.num_experts:
         _fail("--dmi-hooks", "router outputs need a MoE model (--num-experts)")
     largest = max(record_bytes(o, shape) for o in args.dmi_hooks)
     if largest > args.dmi_ring_mb * (1 << 20):
