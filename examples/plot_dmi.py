@@ -10,6 +10,11 @@ Writes PNGs:
 - ``drop_rate.png``: fraction of routed token slots dropped by the capacity factor, per iteration.
 - ``router_entropy.png``: normalised routing entropy per layer over iterations (if router.logits).
 - ``attention.png``: one head's causal attention pattern (if attn.q and attn.k were captured).
+- ``hot_experts.png``: per iteration window, a layers x experts heatmap of the router's choices
+  (before dropping): a hot expert is a bright cell (``--window`` iterations per panel).
+- ``topn_coverage.png``: per layer, the share of routed slots taken by the N most chosen experts.
+- ``routing_predictability.png``: per layer, cosine and Spearman of layer L's router applied to
+  layer L-1's resid.in against the actual routing (if router.weight and resid.in were captured).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from megatron.core.dmi.reader import open_store  # noqa: E402
+from megatron.core.dmi.reader.analyses import routing_concentration, routing_predictability  # noqa: E402
 
 
 def plot_expert_load(load, out_dir: str, max_panels: int = 4) -> list[str]:
@@ -108,6 +114,61 @@ def plot_attention(pattern, title: str, out_dir: str) -> list[str]:
     return [p]
 
 
+def plot_hot_experts(heatmap, out_dir: str, max_panels: int = 4) -> list[str]:
+    windows = sorted(heatmap["window_start"].unique())
+    pick = [windows[int(round(i))] for i in np.linspace(0, len(windows) - 1, min(max_panels, len(windows)))]
+    fig, axes = plt.subplots(1, len(pick), figsize=(4 * len(pick), 3.5), squeeze=False)
+    for ax, start in zip(axes[0], pick):
+        d = heatmap[heatmap.window_start == start]
+        share = d.pivot(index="layer", columns="expert", values="share").fillna(0)
+        im = ax.imshow(share.values, aspect="auto", cmap="inferno", vmin=0)
+        ax.set_title(f"iterations {start}-{int(d['window_end'].iloc[0])}")
+        ax.set_xlabel("expert")
+        ax.set_ylabel("layer")
+        ax.set_yticks(range(len(share.index)), [str(x) for x in share.index])
+        fig.colorbar(im, ax=ax, label="share of routed slots")
+    fig.suptitle("hot experts (router choices before dropping)")
+    fig.tight_layout()
+    p = os.path.join(out_dir, "hot_experts.png")
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return [p]
+
+
+def plot_coverage(coverage, out_dir: str) -> list[str]:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for layer, d in coverage.groupby("layer"):
+        ax.plot(d["top_n"], 100 * d["coverage"], marker=".", label=f"layer {layer}")
+    experts = int(coverage["top_n"].max())
+    ax.plot([0, experts], [0, 100], color="grey", lw=0.8, ls="--", label="uniform")
+    ax.set_xlabel("N most chosen experts")
+    ax.set_ylabel("routed slots covered (%)")
+    ax.set_title("top-N coverage")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    p = os.path.join(out_dir, "topn_coverage.png")
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return [p]
+
+
+def plot_predictability(table, out_dir: str) -> list[str]:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), squeeze=False)
+    for ax, column in zip(axes[0], ("cosine", "spearman")):
+        for layer, d in table.groupby("layer"):
+            ax.plot(d["iteration"], d[column], marker=".", label=f"layer {layer}")
+        ax.set_ylim(-1.05, 1.05)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(column)
+        ax.legend(fontsize=7, ncol=2)
+    fig.suptitle("routing predictability: layer L's router on layer L-1's input vs actual")
+    fig.tight_layout()
+    p = os.path.join(out_dir, "routing_predictability.png")
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return [p]
+
+
 def main(argv=None) -> list[str]:
     ap = argparse.ArgumentParser(description="Plot a DMI run (PNG files).")
     ap.add_argument("store", help="store directory or ClickHouse URL")
@@ -118,6 +179,7 @@ def main(argv=None) -> list[str]:
     ap.add_argument("--head", type=int, default=0)
     ap.add_argument("--microbatch", type=int, default=0)
     ap.add_argument("--no-entropy", action="store_true", help="skip router entropy (decodes every router.logits)")
+    ap.add_argument("--window", type=int, default=1, help="captured iterations per hot-expert panel")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     written: list[str] = []
@@ -128,6 +190,11 @@ def main(argv=None) -> list[str]:
         if "router.expert_counts" in outputs:
             written += plot_expert_load(store.expert_load(run), args.out)
             written += plot_drop_rate(store.drop_rate(run, by_layer=True), args.out)
+            concentration = routing_concentration(store, run, window=args.window)
+            written += plot_hot_experts(concentration.heatmap, args.out)
+            written += plot_coverage(concentration.coverage, args.out)
+            if {"router.weight", "resid.in"} <= outputs:
+                written += plot_predictability(routing_predictability(store, run), args.out)
         if "router.logits" in outputs and not args.no_entropy:
             written += plot_entropy(store.router_entropy(run, progress=True), args.out)
         if {"attn.q", "attn.k"} <= outputs:
