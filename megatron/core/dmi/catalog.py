@@ -10,15 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-Combine = Literal["concat", "sum"]
+Combine = Literal["concat", "sum", "topk", "log_softmax"]
 # Which transformer layers record an output: every layer, MoE layers only, or the model's last layer.
 Scope = Literal["layer", "moe_layer", "last_layer"]
 # Which ranks of one model replica publish a record of one (iteration, microbatch, layer):
 # - "sequence": the rows are tokens; under sequence parallelism each TP rank publishes its own token
 #   shard, without it every TP rank holds the same rows and TP rank 0 publishes them;
 # - "tensor": every TP rank publishes its shard along ``shard_dim`` (attention heads);
+# - "replicated": every TP rank holds the same full rows (the loss, computed after the vocabulary
+#   all-reduces): TP rank 0 publishes them, sequence parallel or not;
 # - "one": a replicated value (a weight) published by TP rank 0 of data-parallel rank 0 only.
-Producers = Literal["sequence", "tensor", "one"]
+Producers = Literal["sequence", "tensor", "replicated", "one"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class ModelShape:
     router_itemsize: int = 4
     model_itemsize: int = 4
     hidden: int = 0
+    vocab: int = 0  # padded vocabulary (all TP shards)
+    logits_topk: int = 8
 
     @property
     def seq_local(self) -> int:
@@ -61,6 +65,7 @@ class HookOutput:
     combine: Combine = "concat"
     shard_dim: int | None = None
     opt_in: bool = False  # captured only when named explicitly (or with "all")
+    in_all: bool = True  # False: not even "all" selects it (named explicitly only)
     scope: Scope = "layer"
     producers: Producers = "sequence"
     per_microbatch: bool = True  # False: once per captured (phase, iteration), at microbatch 0
@@ -140,6 +145,39 @@ OUTPUTS: tuple[HookOutput, ...] = (
         "bias and the residual add. Sequence parallelism shards dim 0 over TP ranks.",
         local_shape=lambda m: ((m.seq_local, m.micro_batch, m.hidden), m.model_itemsize),
     ),
+    HookOutput(
+        "loss.token", "loss", "[s, b, 2]", "fp32",
+        "Per-token language-model loss before any reduction, as megatron-core's "
+        "compute_language_model_loss returns it (column 0), and the loss mask the step weights it with "
+        "(column 1; NaN when the forward step passes no loss_mask to the model). Recorded under the last "
+        "layer's number, on the last pipeline stage.",
+        scope="last_layer", producers="replicated",
+        local_shape=lambda m: ((m.seq_length, m.micro_batch, 2), 4),
+    ),
+    HookOutput(
+        "logits.topk", "logits", "[s, b, k, 2]", "fp32",
+        "The k largest output logits of each token (k = --dmi-logits-topk) as (value, vocabulary id) "
+        "pairs, ids exact below 2^24. Each TP rank publishes the top-k of its vocabulary shard; the reader "
+        "returns the top-k of their union, largest first (ties: lower id), values bitwise as computed.",
+        combine="topk", producers="tensor", scope="last_layer",
+        local_shape=lambda m: ((m.seq_length, m.micro_batch, m.logits_topk, 2), 4),
+    ),
+    HookOutput(
+        "logits.target", "logits", "[s, b, 3]", "fp32",
+        "Log-probability of each token's label under the output logits (padded vocabulary included, as "
+        "in the loss). Each TP rank publishes its vocabulary shard's (max logit, sum of exp(logit - max), "
+        "label logit or -inf); the reader merges them into [s, b] fp64 log-probabilities.",
+        combine="log_softmax", producers="tensor", scope="last_layer",
+        local_shape=lambda m: ((m.seq_length, m.micro_batch, 3), 4),
+    ),
+    HookOutput(
+        "logits.full", "logits", "[s, b, vocab / TP]", "model dtype",
+        "Every output logit (named explicitly only, not by all: s x b x vocab values per microbatch; "
+        "start-up prints the size). "
+        "Tensor parallelism shards the vocabulary (last dim).",
+        shard_dim=-1, producers="tensor", scope="last_layer", opt_in=True, in_all=False,
+        local_shape=lambda m: ((m.seq_length, m.micro_batch, m.vocab // m.tp), m.model_itemsize),
+    ),
 )
 
 BY_NAME: dict[str, HookOutput] = {o.name: o for o in OUTPUTS}
@@ -164,6 +202,8 @@ def producers_per_replica(output: str, tp: int, sequence_parallel: bool, dp_rank
     producers = BY_NAME[output].producers
     if producers == "one":
         return 1 if dp_rank0 else 0
+    if producers == "replicated":
+        return 1
     if producers == "tensor" or (sequence_parallel and tp > 1):
         return tp
     return 1
@@ -184,7 +224,8 @@ class HookSelectionError(ValueError):
 
 
 def parse_hooks(spec: str) -> frozenset[str]:
-    """Resolve ``router,attn.q`` style lists into output names; ``all`` and ``none`` work too."""
+    """Resolve ``router,attn.q`` style lists into output names; ``all`` (every output but the
+    named-only ones) and ``none`` work too."""
     selected: set[str] = set()
     for item in (s.strip() for s in spec.split(",")):
         if not item:
@@ -192,7 +233,7 @@ def parse_hooks(spec: str) -> frozenset[str]:
         if item == "none":
             continue
         if item == "all":
-            selected.update(BY_NAME)
+            selected.update(o.name for o in OUTPUTS if o.in_all)
         elif item in GROUPS:
             selected.update(GROUPS[item])
         elif item in BY_NAME:
@@ -208,16 +249,19 @@ def outputs_of_group(group: str, selected: frozenset[str]) -> list[str]:
 
 
 _PUBLISHED_BY = {"sequence": "every TP rank with SP, else TP rank 0", "tensor": "every TP rank",
-                 "one": "TP rank 0 of DP rank 0"}
+                 "replicated": "TP rank 0", "one": "TP rank 0 of DP rank 0"}
 _SCOPE = {"layer": "every layer", "moe_layer": "MoE layers", "last_layer": "last layer"}
+_COMBINE_TEXT = {"sum": "sum over token shards", "topk": "top-k of the vocabulary shards' union",
+                 "log_softmax": "log-softmax merged from the vocabulary shards' partials"}
 
 # Reference models for the sizes table of docs/hooks.md: the functional tests' tiny MoE (fp32) and a
-# large bf16 MoE (hidden 4096, 64 experts, top-8, 32 heads of 128, 4096 tokens per microbatch).
+# large bf16 MoE (hidden 4096, 64 experts, top-8, 32 heads of 128, vocabulary 131072, 4096 tokens per
+# microbatch); logits.topk at the default k = 8.
 SIZE_MODELS = {
     "tiny (fp32)": ModelShape(seq_length=32, micro_batch=2, num_experts=4, topk=2, heads=4, query_groups=4,
-                              head_dim=16, hidden=64),
+                              head_dim=16, hidden=64, vocab=128),
     "large (bf16)": ModelShape(seq_length=4096, micro_batch=1, num_experts=64, topk=8, heads=32, query_groups=8,
-                               head_dim=128, hidden=4096, router_itemsize=4, model_itemsize=2),
+                               head_dim=128, hidden=4096, vocab=131072, router_itemsize=4, model_itemsize=2),
 }
 
 
@@ -235,13 +279,13 @@ def markdown_table() -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for o in OUTPUTS:
-        how = "sum over token shards" if o.combine == "sum" else (
+        how = _COMBINE_TEXT.get(o.combine) or (
             "token range on dim 0" + (f", shard index on dim {o.shard_dim}" if o.shard_dim is not None else "")
         )
         when = _SCOPE[o.scope] + ("" if o.per_microbatch else ", once per iteration")
         lines.append(
             f"| `{o.name}` | `{o.group}` | {o.shape} | {o.dtype} | {how} | {when} | {_PUBLISHED_BY[o.producers]} "
-            f"| {'yes' if o.opt_in else 'no'} | {o.doc} |"
+            f"| {'named only' if not o.in_all else 'yes' if o.opt_in else 'no'} | {o.doc} |"
         )
     lines += [
         "",

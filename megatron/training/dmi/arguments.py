@@ -140,6 +140,7 @@ def add_dmi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dmi-record-replays", action="store_true",
                    help="keep activation-recompute replays as invocation 1 instead of rejecting them")
     g.add_argument("--dmi-run-id", type=_run_id, default=None, help="run id (default: generated; kept on resume)")
+    g.add_argument("--dmi-logits-topk", type=_positive_int, default=8, help="k of the logits.topk output")
     return parser
 
 
@@ -171,6 +172,7 @@ def config_from_args(args: argparse.Namespace) -> DMIConfig:
         transport=args.dmi_transport,
         record_replays=args.dmi_record_replays,
         run_id=args.dmi_run_id,
+        logits_topk=args.dmi_logits_topk,
     )
 
 
@@ -194,6 +196,8 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
         router_itemsize={"fp32": 4, "fp64": 8}.get(args.moe_router_dtype, itemsize),
         model_itemsize=itemsize,
         hidden=args.hidden_size,
+        vocab=getattr(args, "padded_vocab_size", None) or args.vocab_size or 0,
+        logits_topk=args.dmi_logits_topk,
     )
 
 
@@ -224,6 +228,12 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
     # router.weight (group resid) just has no layer to record on a dense model
     if any(BY_NAME[o].group == "router" for o in args.dmi_hooks) and not args.num_experts:
         _fail("--dmi-hooks", "router outputs need a MoE model (--num-experts)")
+    if any(BY_NAME[o].group == "logits" for o in args.dmi_hooks) and getattr(args, "mtp_num_layers", None):
+        _fail("--dmi-hooks", "logits outputs are not supported with multi-token prediction (--mtp-num-layers)")
+    if "logits.full" in args.dmi_hooks and int(os.environ.get("RANK", "0")) == 0:
+        print(f"DMI warning: --dmi-hooks logits.full stores every output logit: {record_bytes('logits.full', shape):,} "
+              "bytes per microbatch per tensor-parallel rank; logits.topk and logits.target are the small views",
+              flush=True)
     largest = max(record_bytes(o, shape) for o in args.dmi_hooks)
     if largest > args.dmi_ring_mb * (1 << 20):
         _fail("--dmi-ring-mb", f"{args.dmi_ring_mb} MiB cannot hold one record of {largest} bytes; use at least "

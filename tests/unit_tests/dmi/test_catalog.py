@@ -10,7 +10,8 @@ def test_groups_expand_to_their_default_outputs():
 
 def test_opt_in_outputs_by_name_and_all():
     assert catalog.parse_hooks("attn,attn.q,attn.k") == {"attn.context", "attn.q", "attn.k"}
-    assert catalog.parse_hooks("all") == set(catalog.BY_NAME)
+    assert catalog.parse_hooks("all") == set(catalog.BY_NAME) - {"logits.full"}  # named only: vocabulary-sized
+    assert "logits.full" in catalog.parse_hooks("all,logits.full")
     assert catalog.parse_hooks("none") == frozenset()
 
 
@@ -66,3 +67,15 @@ def test_sizes_table_gives_bytes_per_token():
     assert catalog.size_per_token("resid.in", tiny) == 64 * 4  # hidden x fp32
     assert catalog.size_per_token("router.weight", tiny) == 4 * 64 * 4  # whole [E, h] record
     assert "| `resid.in` | 256 | 8,192 |" in catalog.markdown_table()
+
+
+def test_logits_and_loss_shapes():
+    m = catalog.ModelShape(seq_length=32, micro_batch=2, num_experts=4, topk=2, heads=4, query_groups=4, head_dim=16,
+                           hidden=64, vocab=256, logits_topk=5, tp=2, sequence_parallel=True)
+    assert catalog.BY_NAME["logits.topk"].local_shape(m)[0] == (32, 2, 5, 2)  # the full sequence under SP
+    assert catalog.BY_NAME["logits.target"].local_shape(m)[0] == (32, 2, 3)
+    assert catalog.BY_NAME["logits.full"].local_shape(m)[0] == (32, 2, 128)  # vocabulary shard
+    assert catalog.BY_NAME["loss.token"].local_shape(m)[0] == (32, 2, 2)
+    assert catalog.producers_per_replica("loss.token", 2, True) == 1
+    assert catalog.producers_per_replica("logits.topk", 2, True) == 2
+    assert catalog.parse_hooks("logits") == {"logits.topk", "logits.target"}

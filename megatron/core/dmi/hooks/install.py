@@ -5,12 +5,13 @@ outputs the post-drop selection). Attention: a forward hook on ``self_attention.
 sees post-RoPE query/key (inputs) and the context (output). Residual stream: a forward pre-hook on
 each layer's ``input_layernorm`` (IdentityOp when the norm is fused into the QKV projection) sees
 the layer input, one on the block's ``final_layernorm`` the last layer's output, and a pre-hook on
-the block publishes its routers' weights once per iteration. MLP: a forward hook on ``mlp``. The
+the block publishes its routers' weights once per iteration. MLP: a forward hook on ``mlp``. Loss:
+a forward hook on the language model (GPTModel) given labels. The
 sub-module sites sit inside the layer, so they fire inside a layer's CUDA graph and inside
 activation recompute like the router and attention sites do. Every site knows its global layer and
 its rank's parallel coordinates; the Capture decides per firing whether a record is made.
 
-Each catalog group has one site function below (``_LAYER_SITES`` / ``_BLOCK_SITES``).
+Each catalog group has one site function below (``_LAYER_SITES``, ``_BLOCK_SITES``, ``_MODEL_SITES``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Callable
 import torch
 
 from megatron.core import parallel_state as ps
+from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -77,7 +79,9 @@ class HookSet:
         """Attach DMI to every transformer layer of one (virtual pipeline) model chunk."""
         coords = rank_coords(vpp=vpp)
         for module in chunk.modules():
-            if isinstance(module, TransformerBlock):
+            if isinstance(module, LanguageModule):
+                sites = _MODEL_SITES
+            elif isinstance(module, TransformerBlock):
                 sites = _BLOCK_SITES
             elif isinstance(module, TransformerLayer):
                 sites = _LAYER_SITES
@@ -257,5 +261,85 @@ def _resid_block_site(hooks: HookSet, block: TransformerBlock, coords: ParallelC
     hooks._handles.append(block.register_forward_pre_hook(publish_weights, with_kwargs=True))
 
 
+def _loss_site(hooks: HookSet, model: LanguageModule, coords: ParallelCoords) -> None:
+    """loss.token from the language model's output when it is given labels (its output is then
+    the per-token loss, [b, s]), with the loss_mask the forward step passed; every TP rank holds the
+    same loss (the vocabulary-parallel cross entropy all-reduces), so TP rank 0 publishes."""
+    if not model.post_process or coords.tp != 0:
+        return
+    capture = hooks.capture
+    layer = model.config.num_layers - 1
+
+    def hook(module, args, kwargs, output):
+        if kwargs.get("labels") is None or not capture.wants("loss.token", layer):
+            return
+        with torch.no_grad():
+            loss = output.detach().float().t()
+            mask = kwargs.get("loss_mask")
+            mask = torch.full_like(loss, float("nan")) if mask is None else mask.detach().float().t()
+            loss_and_mask = torch.stack([loss, mask], dim=-1)
+            rows = loss_and_mask.shape[0]
+            capture.publish_all(layer, coords, Placement(0, rows, rows), {"loss.token": loss_and_mask})
+
+    hooks._handles.append(model.register_forward_hook(hook, with_kwargs=True))
+
+
+def _logits_site(hooks: HookSet, model: LanguageModule, coords: ParallelCoords) -> None:
+    """logits.* from the output layer's logits of a forward given labels, published in the output
+    layer's hook: the vocabulary-parallel cross entropy then overwrites the logits in place. The
+    model's pre-hook hands the labels over; the first output-layer call of the forward takes them
+    (start-up refuses these outputs with multi-token prediction, whose heads call it first)."""
+    if not model.post_process:
+        return
+    capture = hooks.capture
+    layer = model.config.num_layers - 1
+    tp = tp_size()
+    wanted = catalog.outputs_of_group("logits", capture.config.hooks)
+    pending: dict[str, torch.Tensor] = {}
+
+    def take_labels(module, args, kwargs):
+        pending.pop("labels", None)
+        if kwargs.get("labels") is not None:
+            pending["labels"] = kwargs["labels"]
+
+    def publish(module, args, output):
+        labels = pending.pop("labels", None)
+        selected = [o for o in wanted if capture.wants(o, layer)]
+        if labels is None or not selected:
+            return
+        logits = output[0] if isinstance(output, tuple) else output
+        with torch.no_grad():
+            values = vocabulary_views(logits.detach(), labels.t(), coords.tp * logits.shape[-1],
+                                      capture.config.logits_topk, selected)
+            rows = logits.shape[0]
+            capture.publish_all(layer, coords, Placement(0, rows, rows, shard_index=coords.tp, shard_count=tp), values)
+
+    hooks._handles.append(model.register_forward_pre_hook(take_labels, with_kwargs=True))
+    hooks._handles.append(model.output_layer.register_forward_hook(publish))
+
+
+def vocabulary_views(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, k: int,
+                     outputs: list[str]) -> dict[str, torch.Tensor]:
+    """The logits.* outputs of one vocabulary shard: logits [s, b, V_local] (ids vocab_start..),
+    labels [s, b] global ids. See catalog.py for each output's layout."""
+    out = {}
+    if "logits.topk" in outputs:
+        top = torch.topk(logits.float(), min(k, logits.shape[-1]), dim=-1)
+        out["logits.topk"] = torch.stack([top.values, (top.indices + vocab_start).float()], dim=-1)
+    if "logits.target" in outputs:
+        shard = logits.float()
+        peak = shard.max(dim=-1).values
+        total = torch.exp(shard - peak.unsqueeze(-1)).sum(dim=-1)
+        local = labels - vocab_start
+        inside = (local >= 0) & (local < shard.shape[-1])
+        label_logit = shard.gather(-1, local.clamp(0, shard.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        label_logit = torch.where(inside, label_logit, torch.full_like(label_logit, float("-inf")))
+        out["logits.target"] = torch.stack([peak, total, label_logit], dim=-1)
+    if "logits.full" in outputs:
+        out["logits.full"] = logits
+    return out
+
+
 _LAYER_SITES = {"router": _router_site, "attn": _attention_site, "resid": _resid_in_site, "mlp": _mlp_site}
 _BLOCK_SITES = {"resid": _resid_block_site}
+_MODEL_SITES = {"loss": _loss_site, "logits": _logits_site}
