@@ -32,26 +32,33 @@ from megatron.core.dmi.reader import open_store  # noqa: E402
 from megatron.core.dmi.reader.analyses import routing_concentration, routing_predictability  # noqa: E402
 
 
+def _layer_expert_panels(panels, cmap: str, label: str, title: str, path: str) -> None:
+    """One layers x experts heatmap per (title, share table) panel, side by side, into ``path``."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
+    for ax, (panel_title, share) in zip(axes[0], panels):
+        im = ax.imshow(share.values, aspect="auto", cmap=cmap, vmin=0)
+        ax.set_title(panel_title)
+        ax.set_xlabel("expert")
+        ax.set_ylabel("layer")
+        ax.set_yticks(range(len(share.index)), [str(x) for x in share.index])
+        fig.colorbar(im, ax=ax, label=label)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_expert_load(load, out_dir: str, max_panels: int = 4) -> list[str]:
     its = sorted(load["iteration"].unique())
     if not its:
         return []
     pick = [its[int(round(i))] for i in np.linspace(0, len(its) - 1, min(max_panels, len(its)))]
-    fig, axes = plt.subplots(1, len(pick), figsize=(4 * len(pick), 3.5), squeeze=False)
-    for ax, it in zip(axes[0], pick):
+    panels = []
+    for it in pick:
         m = load[load.iteration == it].pivot(index="layer", columns="expert", values="tokens_post").fillna(0)
-        share = m.div(m.sum(axis=1).replace(0, 1), axis=0)
-        im = ax.imshow(share.values, aspect="auto", cmap="viridis", vmin=0)
-        ax.set_title(f"iteration {it}")
-        ax.set_xlabel("expert")
-        ax.set_ylabel("layer")
-        ax.set_yticks(range(len(share.index)), [str(x) for x in share.index])
-        fig.colorbar(im, ax=ax, label="share of tokens")
-    fig.suptitle("expert load (after capacity dropping)")
-    fig.tight_layout()
+        panels.append((f"iteration {it}", m.div(m.sum(axis=1).replace(0, 1), axis=0)))
     p1 = os.path.join(out_dir, "expert_load.png")
-    fig.savefig(p1, dpi=120)
-    plt.close(fig)
+    _layer_expert_panels(panels, "viridis", "share of tokens", "expert load (after capacity dropping)", p1)
 
     g = load.groupby(["iteration", "layer"])["tokens_post"]
     imb = (g.max() / g.mean().replace(0, np.nan)).reset_index(name="imbalance")
@@ -70,16 +77,20 @@ def plot_expert_load(load, out_dir: str, max_panels: int = 4) -> list[str]:
     return [p1, p2]
 
 
-def _per_layer_lines(df, column: str, scale: float, ylabel: str, title: str, path: str, ylim=None) -> list[str]:
-    """One line per layer of ``column`` over iterations."""
+def _per_layer_lines(df, column: str, scale: float, ylabel: str, title: str, path: str, ylim=None,
+                     x: str = "iteration", xlabel: str = "iteration", diagonal: bool = False) -> list[str]:
+    """One line per layer of ``column`` over ``x`` (iterations by default); ``diagonal``: a grey
+    line from (0, 0) to the last x at the top of the scale (the uniform reference of a coverage curve)."""
     if df.empty:
         return []
     fig, ax = plt.subplots(figsize=(7, 4))
     for layer, d in df.groupby("layer"):
-        ax.plot(d["iteration"], scale * d[column], marker=".", label=f"layer {layer}")
+        ax.plot(d[x], scale * d[column], marker=".", label=f"layer {layer}")
+    if diagonal:
+        ax.plot([0, df[x].max()], [0, scale], color="grey", lw=0.8, ls="--", label="uniform")
     if ylim:
         ax.set_ylim(*ylim)
-    ax.set_xlabel("iteration")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=7, ncol=2)
@@ -117,39 +128,20 @@ def plot_attention(pattern, title: str, out_dir: str) -> list[str]:
 def plot_hot_experts(heatmap, out_dir: str, max_panels: int = 4) -> list[str]:
     windows = sorted(heatmap["window_start"].unique())
     pick = [windows[int(round(i))] for i in np.linspace(0, len(windows) - 1, min(max_panels, len(windows)))]
-    fig, axes = plt.subplots(1, len(pick), figsize=(4 * len(pick), 3.5), squeeze=False)
-    for ax, start in zip(axes[0], pick):
+    panels = []
+    for start in pick:
         d = heatmap[heatmap.window_start == start]
-        share = d.pivot(index="layer", columns="expert", values="share").fillna(0)
-        im = ax.imshow(share.values, aspect="auto", cmap="inferno", vmin=0)
-        ax.set_title(f"iterations {start}-{int(d['window_end'].iloc[0])}")
-        ax.set_xlabel("expert")
-        ax.set_ylabel("layer")
-        ax.set_yticks(range(len(share.index)), [str(x) for x in share.index])
-        fig.colorbar(im, ax=ax, label="share of routed slots")
-    fig.suptitle("hot experts (router choices before dropping)")
-    fig.tight_layout()
+        panels.append((f"iterations {start}-{int(d['window_end'].iloc[0])}",
+                       d.pivot(index="layer", columns="expert", values="share").fillna(0)))
     p = os.path.join(out_dir, "hot_experts.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
+    _layer_expert_panels(panels, "inferno", "share of routed slots", "hot experts (router choices before dropping)", p)
     return [p]
 
 
 def plot_coverage(coverage, out_dir: str) -> list[str]:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for layer, d in coverage.groupby("layer"):
-        ax.plot(d["top_n"], 100 * d["coverage"], marker=".", label=f"layer {layer}")
-    experts = int(coverage["top_n"].max())
-    ax.plot([0, experts], [0, 100], color="grey", lw=0.8, ls="--", label="uniform")
-    ax.set_xlabel("N most chosen experts")
-    ax.set_ylabel("routed slots covered (%)")
-    ax.set_title("top-N coverage")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    p = os.path.join(out_dir, "topn_coverage.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return [p]
+    return _per_layer_lines(coverage, "coverage", 100, "routed slots covered (%)", "top-N coverage",
+                            os.path.join(out_dir, "topn_coverage.png"), x="top_n", xlabel="N most chosen experts",
+                            diagonal=True)
 
 
 def plot_predictability(table, out_dir: str) -> list[str]:

@@ -73,6 +73,11 @@ class HookOutput:
     local_shape: Callable[[ModelShape], tuple[tuple[int, ...], int]] = lambda m: ((), 0)
 
 
+def _hidden_per_token(m: ModelShape) -> tuple[tuple[int, ...], int]:
+    """[s_local, b, h] in the model dtype: the residual stream's shape on one rank."""
+    return (m.seq_local, m.micro_batch, m.hidden), m.model_itemsize
+
+
 OUTPUTS: tuple[HookOutput, ...] = (
     HookOutput(
         "router.logits", "router", "[tokens, E]", "router dtype",
@@ -122,14 +127,14 @@ OUTPUTS: tuple[HookOutput, ...] = (
         "resid.in", "resid", "[s_local, b, h]", "model dtype",
         "Hidden states entering the transformer layer (the residual stream before its input norm); "
         "layer 0's is the embedding output. Sequence parallelism shards dim 0 over TP ranks.",
-        local_shape=lambda m: ((m.seq_local, m.micro_batch, m.hidden), m.model_itemsize),
+        local_shape=_hidden_per_token,
     ),
     HookOutput(
         "resid.out", "resid", "[s_local, b, h]", "model dtype",
         "Output of the model's last transformer layer, before the final norm (recorded under that "
         "layer's number). Sequence parallelism shards dim 0 over TP ranks.",
         scope="last_layer",
-        local_shape=lambda m: ((m.seq_local, m.micro_batch, m.hidden), m.model_itemsize),
+        local_shape=_hidden_per_token,
     ),
     HookOutput(
         "router.weight", "resid", "[E, h]", "model dtype",
@@ -143,7 +148,7 @@ OUTPUTS: tuple[HookOutput, ...] = (
         "mlp.out", "mlp", "[s_local, b, h]", "model dtype",
         "Output of the layer's MLP or MoE block (shared expert included) in token order, before its "
         "bias and the residual add. Sequence parallelism shards dim 0 over TP ranks.",
-        local_shape=lambda m: ((m.seq_local, m.micro_batch, m.hidden), m.model_itemsize),
+        local_shape=_hidden_per_token,
     ),
     HookOutput(
         "loss.token", "loss", "[s, b, 2]", "fp32",

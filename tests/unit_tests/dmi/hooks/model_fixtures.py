@@ -40,3 +40,8 @@ def tokens(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def capture_for(hooks: str, ring_mb: float = 8, **config) -> Capture:
     cfg = DMIConfig(hooks=parse_hooks(hooks), ring_mb=ring_mb, **config)
     return Capture(cfg, TorchRingTransport(cfg.ring_bytes, "block", torch.device("cpu")), "test-run", 0)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor's bit patterns, for bitwise comparisons (NaN-safe, -0 distinct from 0)."""
+    return t.contiguous().view(torch.int32)

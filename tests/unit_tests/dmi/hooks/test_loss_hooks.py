@@ -5,11 +5,7 @@ torch cross entropy of the output layer's logits."""
 import torch
 
 from megatron.core.dmi.hooks import HookSet
-from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, SEQ, capture_for, tiny_gpt, tokens
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
+from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, bits, SEQ, capture_for, tiny_gpt, tokens
 
 
 def test_loss_token_matches_a_plain_hook_and_torch_cross_entropy(megatron_cpu):
@@ -30,7 +26,7 @@ def test_loss_token_matches_a_plain_hook_and_torch_cross_entropy(megatron_cpu):
     got = record.tensor()
     assert record.key.output == "loss.token" and record.key.layer == 1
     assert got.shape == (SEQ, BATCH, 2) and got.dtype == torch.float32
-    assert torch.equal(_bits(got[..., 0]), _bits(seen["loss"].t()))
+    assert torch.equal(bits(got[..., 0]), bits(seen["loss"].t()))
     assert torch.equal(got[..., 1], seen["mask"].t())
     reference = torch.nn.functional.cross_entropy(seen["logits"].float().reshape(SEQ * BATCH, -1),
                                                   labels.t().reshape(-1), reduction="none").view(SEQ, BATCH)

@@ -7,7 +7,7 @@ import torch
 
 from megatron.core.dmi.hooks import HookSet
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, EXPERTS, SEQ, capture_for, tiny_gpt, tokens
+from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, bits, EXPERTS, SEQ, capture_for, tiny_gpt, tokens
 from tests.unit_tests.dmi.test_capture_replay import RECOMPUTE, train_step
 
 HIDDEN = 32
@@ -41,10 +41,6 @@ def layer_oracle(model):
     return seen
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
-
-
 def test_resid_and_mlp_outputs_match_plain_hooks(megatron_cpu):
     model = tiny_gpt()
     capture = capture_for("resid,mlp")
@@ -57,15 +53,15 @@ def test_resid_and_mlp_outputs_match_plain_hooks(megatron_cpu):
                             (0, "router.weight"), (1, "router.weight")}
     for layer in (0, 1):
         got = records[(layer, "resid.in")].tensor()
-        assert got.shape == (SEQ, BATCH, HIDDEN) and torch.equal(_bits(got), _bits(seen[(layer, "input")]))
-        assert torch.equal(_bits(records[(layer, "mlp.out")].tensor()), _bits(seen[(layer, "mlp")]))
+        assert got.shape == (SEQ, BATCH, HIDDEN) and torch.equal(bits(got), bits(seen[(layer, "input")]))
+        assert torch.equal(bits(records[(layer, "mlp.out")].tensor()), bits(seen[(layer, "mlp")]))
         router = model.decoder.layers[layer].mlp.router
         weight = records[(layer, "router.weight")]
-        assert weight.key.shape == (EXPERTS, HIDDEN) and torch.equal(_bits(weight.tensor()), _bits(router.weight.detach()))
+        assert weight.key.shape == (EXPERTS, HIDDEN) and torch.equal(bits(weight.tensor()), bits(router.weight.detach()))
     # the last layer's output is what the final norm receives
-    assert torch.equal(_bits(records[(1, "resid.out")].tensor()), _bits(seen[(1, "output")]))
+    assert torch.equal(bits(records[(1, "resid.out")].tensor()), bits(seen[(1, "output")]))
     # the residual stream is continuous: layer 1's input is layer 0's output
-    assert torch.equal(_bits(records[(1, "resid.in")].tensor()), _bits(seen[(0, "output")]))
+    assert torch.equal(bits(records[(1, "resid.in")].tensor()), bits(seen[(0, "output")]))
     key = records[(0, "resid.in")].key
     assert (key.token_start, key.token_end, key.token_total, key.shard_count) == (0, SEQ, SEQ, 1)
 
@@ -93,7 +89,7 @@ def test_resid_out_without_final_norm_is_the_last_layer_output(megatron_cpu):
     capture.begin_step("train", 1)
     model.decoder(model.embedding(*tokens()), attention_mask=None)
     (record,) = capture.transport.take(100, 0)
-    assert record.key.layer == 1 and torch.equal(_bits(record.tensor()), _bits(seen[(1, "output")]))
+    assert record.key.layer == 1 and torch.equal(bits(record.tensor()), bits(seen[(1, "output")]))
 
 
 def test_dense_model_records_no_router_weight(megatron_cpu):
