@@ -215,9 +215,11 @@ def _ping(url: str) -> str | None:
 
 
 def check_dmi_layout(args: argparse.Namespace) -> None:
-    """Parallel layouts DMI cannot capture correctly are refused before Megatron looks at them."""
+    """Parallel layouts and model features DMI cannot capture correctly are refused before Megatron looks at them."""
     if args.dmi_hooks and args.context_parallel_size > 1:
         _fail("--dmi-hooks", "context parallelism (--context-parallel-size > 1) is not supported by DMI yet")
+    if any(BY_NAME[o].group == "logits" for o in args.dmi_hooks) and getattr(args, "mtp_num_layers", None):
+        _fail("--dmi-hooks", "logits outputs are not supported with multi-token prediction (--mtp-num-layers)")
 
 
 def validate_dmi_args(args: argparse.Namespace) -> None:
@@ -228,8 +230,6 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
     # router.weight (group resid) just has no layer to record on a dense model
     if any(BY_NAME[o].group == "router" for o in args.dmi_hooks) and not args.num_experts:
         _fail("--dmi-hooks", "router outputs need a MoE model (--num-experts)")
-    if any(BY_NAME[o].group == "logits" for o in args.dmi_hooks) and getattr(args, "mtp_num_layers", None):
-        _fail("--dmi-hooks", "logits outputs are not supported with multi-token prediction (--mtp-num-layers)")
     if "logits.full" in args.dmi_hooks and int(os.environ.get("RANK", "0")) == 0:
         print(f"DMI warning: --dmi-hooks logits.full stores every output logit: {record_bytes('logits.full', shape):,} "
               "bytes per microbatch per tensor-parallel rank; logits.topk and logits.target are the small views",

@@ -16,6 +16,10 @@ CASES = {
     "unreachable server": (["--dmi-hooks", "router", "--dmi-clickhouse-url", "http://127.0.0.1:1"],
                            "--dmi-clickhouse-url", "unreachable"),
     "context parallelism": (["--dmi-hooks", "router", "--context-parallel-size", "2"], "--dmi-hooks", "context"),
+    "ring smaller than a residual record": (["--dmi-hooks", "resid", "--dmi-ring-mb", "0.01"], "--dmi-ring-mb",
+                                            "one record of 16384 bytes"),
+    "logits with multi-token prediction": (["--dmi-hooks", "loss,logits", "--mtp-num-layers", "1"], "--dmi-hooks",
+                                           "multi-token prediction"),
 }
 
 
