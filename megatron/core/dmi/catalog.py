@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Callable, Literal
 
 Combine = Literal["concat", "sum", "topk", "log_softmax"]
-# Which transformer layers record an output: every layer, MoE layers only, or the model's last layer.
-Scope = Literal["layer", "moe_layer", "last_layer"]
+# Which transformer layers record an output: every layer, MoE layers only, MoE layers with a shared
+# expert, or the model's last layer.
+Scope = Literal["layer", "moe_layer", "shared_expert_layer", "last_layer"]
 # Which ranks of one model replica publish a record of one (iteration, microbatch, layer):
 # - "sequence": the rows are tokens; under sequence parallelism each TP rank publishes its own token
 #   shard, without it every TP rank holds the same rows and TP rank 0 publishes them;
@@ -151,6 +152,14 @@ OUTPUTS: tuple[HookOutput, ...] = (
         local_shape=_hidden_per_token,
     ),
     HookOutput(
+        "mlp.shared", "mlp", "[s_local, b, h]", "model dtype",
+        "Output of the MoE layer's shared expert (its gate applied, with --moe-shared-expert-gate), "
+        "which mlp.out includes. Sequence parallelism shards dim 0 over TP ranks. Refused with "
+        "--moe-shared-expert-overlap (the shared expert then runs inside the token dispatcher).",
+        scope="shared_expert_layer",
+        local_shape=_hidden_per_token,
+    ),
+    HookOutput(
         "loss.token", "loss", "[s, b, 2]", "fp32",
         "Per-token language-model loss before any reduction, as megatron-core's "
         "compute_language_model_loss returns it (column 0), and the loss mask the step weights it with "
@@ -214,11 +223,14 @@ def producers_per_replica(output: str, tp: int, sequence_parallel: bool, dp_rank
     return 1
 
 
-def layers_in_scope(output: str, layers: list[int], num_layers: int, moe_layers: set[int]) -> list[int]:
+def layers_in_scope(output: str, layers: list[int], num_layers: int, moe_layers: set[int],
+                    shared_expert_layers: set[int] = frozenset()) -> list[int]:
     """The selected global layers that record ``output``."""
     scope = BY_NAME[output].scope
     if scope == "moe_layer":
         return [layer for layer in layers if layer in moe_layers]
+    if scope == "shared_expert_layer":
+        return [layer for layer in layers if layer in shared_expert_layers]
     if scope == "last_layer":
         return [layer for layer in layers if layer == num_layers - 1]
     return list(layers)
@@ -255,7 +267,8 @@ def outputs_of_group(group: str, selected: frozenset[str]) -> list[str]:
 
 _PUBLISHED_BY = {"sequence": "every TP rank with SP, else TP rank 0", "tensor": "every TP rank",
                  "replicated": "TP rank 0", "one": "TP rank 0 of DP rank 0"}
-_SCOPE = {"layer": "every layer", "moe_layer": "MoE layers", "last_layer": "last layer"}
+_SCOPE = {"layer": "every layer", "moe_layer": "MoE layers", "shared_expert_layer": "MoE layers with a shared expert",
+          "last_layer": "last layer"}
 _COMBINE_TEXT = {"sum": "sum over token shards", "topk": "top-k of the vocabulary shards' union",
                  "log_softmax": "log-softmax merged from the vocabulary shards' partials"}
 

@@ -220,6 +220,9 @@ def check_dmi_layout(args: argparse.Namespace) -> None:
         _fail("--dmi-hooks", "context parallelism (--context-parallel-size > 1) is not supported by DMI yet")
     if any(BY_NAME[o].group == "logits" for o in args.dmi_hooks) and getattr(args, "mtp_num_layers", None):
         _fail("--dmi-hooks", "logits outputs are not supported with multi-token prediction (--mtp-num-layers)")
+    if "mlp.shared" in args.dmi_hooks and getattr(args, "moe_shared_expert_overlap", False):
+        _fail("--dmi-hooks", "mlp.shared is not supported with --moe-shared-expert-overlap (the shared expert runs "
+                             "inside the token dispatcher there)")
 
 
 def validate_dmi_args(args: argparse.Namespace) -> None:

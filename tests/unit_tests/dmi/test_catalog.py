@@ -43,7 +43,8 @@ def test_resid_and_mlp_shapes_and_groups():
     assert catalog.BY_NAME["mlp.out"].local_shape(m)[0] == (16, 2, 64)
     assert catalog.record_bytes("router.weight", m) == 8 * 64 * 2
     assert catalog.parse_hooks("resid") == {"resid.in", "resid.out", "router.weight"}
-    assert catalog.parse_hooks("mlp") == {"mlp.out"}
+    assert catalog.parse_hooks("mlp") == {"mlp.out", "mlp.shared"}
+    assert catalog.layers_in_scope("mlp.shared", [0, 1, 2], 3, {1, 2}, {2}) == [2]
 
 
 @pytest.mark.parametrize("output,tp,sp,want", [

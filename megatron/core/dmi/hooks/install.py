@@ -220,7 +220,13 @@ def _mlp_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) 
         out = output[0] if isinstance(output, tuple) else output
         _publish_sequence(hooks, layer, coords, shards, {"mlp.out": out})
 
+    def shared_hook(shared, args, output):
+        _publish_sequence(hooks, layer, coords, shards, {"mlp.shared": output})
+
     hooks._handles.append(module.mlp.register_forward_hook(hook))
+    shared_experts = getattr(module.mlp, "shared_experts", None)
+    if shared_experts is not None:
+        hooks._handles.append(shared_experts.register_forward_hook(shared_hook))
     hooks.layers.setdefault(layer, []).append("mlp")
 
 

@@ -127,3 +127,21 @@ def test_full_recompute_records_each_once_or_keeps_the_replay(megatron_cpu, reco
     by_key = {(r.key.microbatch, r.key.layer, r.key.output): r for r in originals}
     for r in replays:
         assert r.payload == by_key[(r.key.microbatch, r.key.layer, r.key.output)].payload
+
+
+def test_shared_expert_output_matches_a_plain_hook(megatron_cpu):
+    model = tiny_gpt(shared_expert_size=32)
+    capture = capture_for("mlp")
+    HookSet(capture).attach(model)
+    seen = {}
+    for m in model.modules():
+        if isinstance(m, TransformerLayer):
+            m.mlp.shared_experts.register_forward_hook(
+                lambda mod, args, out, layer=m.layer_number - 1: seen.update({layer: out.detach().clone()}))
+    capture.begin_step("train", 1)
+    model(*tokens(), attention_mask=None)
+    records = {(r.key.layer, r.key.output): r for r in capture.transport.take(100, 0)}
+    assert set(records) == {(layer, o) for layer in (0, 1) for o in ("mlp.out", "mlp.shared")}
+    for layer in (0, 1):
+        got = records[(layer, "mlp.shared")].tensor()
+        assert got.shape == (SEQ, BATCH, HIDDEN) and torch.equal(bits(got), bits(seen[layer]))
