@@ -76,7 +76,8 @@ class HookSet:
             self._stack.enter_context(router_capture.pre_drop_visible())
 
     def attach(self, chunk: torch.nn.Module, vpp: int = 0) -> None:
-        """Attach DMI to every transformer layer of one (virtual pipeline) model chunk."""
+        """Attach DMI to one (virtual pipeline) model chunk: its language model, transformer block and
+        transformer layers, each with the site functions of the selected groups."""
         coords = rank_coords(vpp=vpp)
         for module in chunk.modules():
             if isinstance(module, LanguageModule):
