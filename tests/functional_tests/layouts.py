@@ -18,7 +18,7 @@ BASE_ARGS = [
     "--transformer-impl", "local", "--no-rope-fusion", "--no-masked-softmax-fusion", "--no-persist-layer-norm",
     "--no-gradient-accumulation-fusion", "--deterministic-mode", "--use-cpu-initialization", "--log-interval", "1",
     "--eval-iters", "0", "--eval-interval", "1000", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--dmi-hooks", "router,attn,resid,mlp",
+    "--dmi-hooks", "router,attn,resid,mlp,loss,logits",
 ]
 
 
@@ -43,7 +43,7 @@ class Layout:
                 skip = 1
                 continue
             args.append(a)
-        return args + ["--dmi-hooks", "attn,resid,mlp"] + list(self.args)
+        return args + ["--dmi-hooks", "attn,resid,mlp,loss,logits"] + list(self.args)
 
     def value(self, flag: str, default: str | None = None) -> str | None:
         args = self.full_args()
@@ -72,6 +72,8 @@ LAYOUTS = [
     Layout("pp2_vpp2", 2, ("--num-layers", "4", "--pipeline-model-parallel-size", "2",
                            "--num-layers-per-virtual-pipeline-stage", "1")),
     Layout("dp2", 2, ()),
+    Layout("tp2_sp_shared", 2, ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                "--moe-shared-expert-intermediate-size", "64")),
     Layout("ep2_capacity", 2, ("--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0"),
            dispatcher="alltoall"),
 ]
@@ -99,7 +101,7 @@ def expected_record_counts(args: list[str], world_size: int) -> dict[str, int]:
         captured iterations x microbatches x layers in the output's scope x producing ranks
 
     * layers: the selected layers (``--dmi-layers``) in the output's catalog scope (every layer,
-      the MoE layers, or the last layer);
+      the MoE layers, those with a shared expert, or the last layer);
     * microbatches: per DP replica, or 1 for once-per-iteration outputs (``router.weight``);
     * producing ranks (``catalog.producers_per_replica``): per data-parallel replica
       (DP = world / (TP x PP x CP); EP and ETP subdivide the expert part of that replica set and do
@@ -124,11 +126,12 @@ def expected_record_counts(args: list[str], world_size: int) -> dict[str, int]:
     num_layers = int(val("--num-layers"))
     layers = parse_layers(val("--dmi-layers"), num_layers)
     moe_layers = set(range(num_layers)) if val("--num-experts") else set()  # --moe-layer-freq 1
+    shared_expert_layers = moe_layers if val("--moe-shared-expert-intermediate-size") else set()
     out = {}
     for output in sorted(catalog.parse_hooks(val("--dmi-hooks"))):
         producers = sum(catalog.producers_per_replica(output, tp, sp, dp_rank0=(r == 0)) for r in range(dp))
         per_step = micro if catalog.BY_NAME[output].per_microbatch else 1
-        scoped = catalog.layers_in_scope(output, layers, num_layers, moe_layers)
+        scoped = catalog.layers_in_scope(output, layers, num_layers, moe_layers, shared_expert_layers)
         if scoped:
             out[output] = len(iters) * per_step * len(scoped) * producers
     return out

@@ -6,7 +6,8 @@
   block's final norm instead), that copy what the model computed synchronously, keyed by
   (iteration, microbatch, layer), gathered to the full tensor over the tensor-parallel group with a
   collective inside the hook when the layout shards it (sequence parallelism for token rows, heads
-  for attention), and written to $DMI_ORACLE_OUT/oracle-rank<R>.pt at exit. Tests compare DMI's
+  for attention), and written to $DMI_ORACLE_OUT/oracle-rank<R>.pt at exit. The per-token loss and
+  its mask are taken where the training step consumes them: pretrain_gpt's loss function. Tests compare DMI's
   reconstructed records bitwise with what the model really computed in the same run.
 * ``DMI_TEST_KILL_AFTER_ITER=N``: the process kills itself with SIGKILL right after Megatron logs
   iteration N (a crash with no clean-up: what DMI had not flushed is lost, as in a real failure).
@@ -29,6 +30,7 @@ import pretrain_gpt  # noqa: E402  (its import prepares the process exactly as a
 
 import megatron.training.training as mt_training  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: E402
 from megatron.training import get_args  # noqa: E402
@@ -129,6 +131,9 @@ def layer_oracles(layer_module):
 
     layer_module.register_forward_pre_hook(layer_input, with_kwargs=True)
     layer_module.mlp.register_forward_hook(mlp_output)
+    if getattr(layer_module.mlp, "shared_experts", None) is not None:
+        layer_module.mlp.shared_experts.register_forward_hook(
+            lambda module, args, output: keep("shared", "mlp.shared", output, module))
     if last:
         layer_module.register_forward_hook(layer_output)
 
@@ -145,7 +150,51 @@ def model_provider(*args, **kwargs):
             m.self_attention.core_attention.register_forward_hook(attention_oracle(m.layer_number))
         if isinstance(m, TransformerLayer):
             layer_oracles(m)
+        if isinstance(m, GPTModel) and m.post_process:
+            logits_oracles(m)
     return model
+
+
+loss_calls: collections.Counter = collections.Counter()
+upstream_loss_func = pretrain_gpt.loss_func
+
+
+def loss_oracle(loss_mask, output_tensor, *args, **kwargs):
+    """[s, b, 2]: the per-token loss the step reduces and its mask (evaluation steps excluded)."""
+    if torch.is_grad_enabled():  # training steps run forward with grad; evaluation runs without
+        args_ = get_args()
+        iteration = args_.curr_iteration + 1
+        microbatch = loss_calls[iteration]
+        loss_calls[iteration] += 1
+        with torch.no_grad():
+            loss = torch.stack([output_tensor.detach().float().t(), loss_mask.detach().float().t()], dim=-1)
+        oracle.setdefault((iteration, microbatch, args_.num_layers - 1), {})["loss.token"] = loss.cpu().clone()
+    return upstream_loss_func(loss_mask, output_tensor, *args, **kwargs)
+
+
+def logits_oracles(model):
+    """The output layer's logits of each training forward, gathered over the TP group (each rank
+    holds a vocabulary shard), with the forward's labels as [s, b]."""
+    labels_seen = {}
+
+    def take_labels(module, args, kwargs):
+        labels_seen["labels"] = kwargs.get("labels")
+
+    def logits_hook(module, args, output):
+        labels = labels_seen.pop("labels", None)
+        if labels is None or not _training_forward(module):
+            return
+        args_ = get_args()
+        iteration = args_.curr_iteration + 1
+        microbatch = layer_calls[("logits", iteration)]
+        layer_calls[("logits", iteration)] += 1
+        with torch.no_grad():
+            logits = _gather_tp(output[0].detach(), -1)
+        oracle.setdefault((iteration, microbatch, args_.num_layers - 1), {}).update(
+            logits=logits.cpu().clone(), labels=labels.t().cpu().clone())
+
+    model.register_forward_pre_hook(take_labels, with_kwargs=True)
+    model.output_layer.register_forward_hook(logits_hook)
 
 
 def kill_after(iteration: int) -> None:
@@ -173,6 +222,7 @@ if __name__ == "__main__":
     if os.environ.get("DMI_ORACLE_OUT"):
         atexit.register(save)
         pretrain_gpt.model_provider = model_provider
+        pretrain_gpt.loss_func = loss_oracle
     if os.environ.get("DMI_TEST_KILL_AFTER_ITER"):
         kill_after(int(os.environ["DMI_TEST_KILL_AFTER_ITER"]))
     sys.argv[0] = os.path.join(REPO, "pretrain_gpt.py")

@@ -1,5 +1,5 @@
 """Distributed fidelity: for each parallel layout, several real processes (torch.distributed.run,
-gloo, CPU development mode) train the same tiny MoE with --dmi-hooks router,attn,resid,mlp and
+gloo, CPU development mode) train the same tiny MoE with --dmi-hooks router,attn,resid,mlp,loss,logits and
 --dmi-persist spool; the spool is loaded into a store in another process and
 
 * the stored record count equals the analytic count (layouts.expected_record_counts);
@@ -19,6 +19,7 @@ import shutil
 import pytest
 import torch
 
+from megatron.core.dmi import catalog
 from tests.functional_tests import runner
 from tests.functional_tests.layouts import BASE_ARGS, BY_NAME, LAYOUTS, Layout, expected_record_counts
 
@@ -26,7 +27,8 @@ ROUTER = ("router.logits", "router.topk_ids", "router.topk_probs", "router.exper
 ALL = ROUTER + ("attn.context",)
 # compared wherever the oracle saw them: resid.out only at the last layer, router.weight only at
 # microbatch 0 of MoE layers (and stored by DP rank 0 only)
-RESID_MLP = ("resid.in", "resid.out", "mlp.out", "router.weight")
+RESID_MLP = ("resid.in", "resid.out", "mlp.out", "mlp.shared", "router.weight", "loss.token")
+LOGITS = ("logits.topk", "logits.target")  # merged from vocabulary shards: compared with plain torch
 
 # Outputs whose iteration-1 tensors equal a single-rank run bitwise, per layout. Why not the rest:
 # - TP: the attention output projection is row-parallel: each rank multiplies its heads' part and
@@ -42,7 +44,9 @@ RESID_MLP = ("resid.in", "resid.out", "mlp.out", "router.weight")
 SINGLE_RANK_BITWISE: dict[str, set[tuple[str, int]]] = {}  # filled from the table below
 # EP: layer 0's input and router weight match; its MLP output holds the differently drawn experts.
 _EXACT_LAYER0 = {(o, 0) for o in ALL} | {("resid.in", 0), ("router.weight", 0)}
-_ALL2 = {(o, l) for o in ALL + RESID_MLP for l in (0, 1) if o != "resid.out"} | {("resid.out", 1)}
+_LAST_LAYER_ONLY = ("resid.out", "loss.token") + LOGITS
+_ALL2 = ({(o, l) for o in ALL + RESID_MLP for l in (0, 1) if o not in _LAST_LAYER_ONLY + ("mlp.shared",)}
+         | {(o, 1) for o in _LAST_LAYER_ONLY})
 SINGLE_RANK_EXPECT = {
     "dp2": _ALL2,
     "pp2": _EXACT_LAYER0 | {("mlp.out", 0)},
@@ -53,6 +57,7 @@ SINGLE_RANK_EXPECT = {
     "tp2": set(),
     "tp2_sp": set(),
     "tp2_sp_ep2": set(),
+    "tp2_sp_shared": None,  # a shared expert: no single-rank reference run of that model here
     "pp2_vpp2": None,  # 4 layers: no single-rank reference run of that model here
 }
 
@@ -137,6 +142,15 @@ def test_layout(name, tmp_path_factory):
                 if output in seen and (output != "router.weight" or dp == 0):
                     assert _bitwise(dump["tensors"][key + (output, 0, dp)], seen[output]), (name, key, dp, output)
                     compared_resid[output] = compared_resid.get(output, 0) + 1
+            if "logits" in seen:  # the merged vocabulary shards vs plain torch on the gathered logits
+                logits, labels = seen["logits"].float(), seen["labels"]
+                top = torch.topk(logits, 8, dim=-1)
+                merged = dump["tensors"][key + ("logits.topk", 0, dp)]
+                assert _bitwise(merged[..., 0], top.values) and torch.equal(merged[..., 1].long(), top.indices), key
+                want = torch.log_softmax(logits.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+                torch.testing.assert_close(dump["tensors"][key + ("logits.target", 0, dp)], want, rtol=0, atol=1e-5)
+                for output in ("logits.topk", "logits.target"):
+                    compared_resid[output] = compared_resid.get(output, 0) + 1
             if layout.dense:
                 continue
             assert _bitwise(got["router.logits"], seen["router.logits"]), (name, key, dp)
@@ -146,9 +160,9 @@ def test_layout(name, tmp_path_factory):
     tp = int(layout.value("--tensor-model-parallel-size", "1"))
     expected = expected_record_counts(res["args"], res["nproc"])
     assert compared == expected["attn.context"] // tp
-    producers = tp if layout.has("--sequence-parallel") else 1  # records per full tensor
-    assert compared_resid == {o: expected[o] // (producers if o != "router.weight" else 1)
-                              for o in RESID_MLP if o in expected}, compared_resid
+    sp = layout.has("--sequence-parallel")
+    assert compared_resid == {o: expected[o] // catalog.producers_per_replica(o, tp, sp)  # records per full tensor
+                              for o in RESID_MLP + LOGITS if o in expected}, compared_resid
 
     if name == "ep2_capacity":
         ids = torch.cat([v for k, v in dump["tensors"].items() if k[4] == "router.topk_ids"])
