@@ -15,6 +15,8 @@ Writes PNGs:
 - ``topn_coverage.png``: per layer, the share of routed slots taken by the N most chosen experts.
 - ``routing_predictability.png``: per layer, cosine and Spearman of layer L's router applied to
   layer L-1's resid.in against the actual routing (if router.weight and resid.in were captured).
+- ``loss_vs_routing.png``: per layer, the mean loss of tokens with a dropped route (solid) and of
+  tokens that kept all routes (dashed) over iterations (if loss.token and router.topk_ids).
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from megatron.core.dmi.reader import open_store  # noqa: E402
-from megatron.core.dmi.reader.analyses import routing_concentration, routing_predictability  # noqa: E402
+from megatron.core.dmi.reader.analyses import (  # noqa: E402
+    loss_vs_routing,
+    routing_concentration,
+    routing_predictability,
+)
 
 
 def _layer_expert_panels(panels, cmap: str, label: str, title: str, path: str) -> None:
@@ -161,6 +167,22 @@ def plot_predictability(table, out_dir: str) -> list[str]:
     return [p]
 
 
+def plot_loss_vs_routing(table, out_dir: str) -> list[str]:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for layer, d in table.groupby("layer"):
+        line = ax.plot(d["iteration"], d["loss_dropped"], marker=".", label=f"layer {layer}: a route dropped")[0]
+        ax.plot(d["iteration"], d["loss_kept"], marker=".", ls="--", color=line.get_color(), label=f"layer {layer}: kept")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("mean per-token loss")
+    ax.set_title("loss of tokens with dropped vs kept routes")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    p = os.path.join(out_dir, "loss_vs_routing.png")
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return [p]
+
+
 def main(argv=None) -> list[str]:
     ap = argparse.ArgumentParser(description="Plot a DMI run (PNG files).")
     ap.add_argument("store", help="store directory or ClickHouse URL")
@@ -187,6 +209,8 @@ def main(argv=None) -> list[str]:
             written += plot_coverage(concentration.coverage, args.out)
             if {"router.weight", "resid.in"} <= outputs:
                 written += plot_predictability(routing_predictability(store, run), args.out)
+        if {"loss.token", "router.topk_ids"} <= outputs:
+            written += plot_loss_vs_routing(loss_vs_routing(store, run), args.out)
         if "router.logits" in outputs and not args.no_entropy:
             written += plot_entropy(store.router_entropy(run, progress=True), args.out)
         if {"attn.q", "attn.k"} <= outputs:

@@ -316,6 +316,16 @@ def cmd_routing_predictability(args) -> int:
     return 0
 
 
+def cmd_loss_vs_routing(args) -> int:
+    from megatron.core.dmi.reader.analyses import loss_vs_routing
+
+    with _open(args) as store:
+        table = loss_vs_routing(store, args.run_id, args.phase, args.layer)
+    print("mean per-token loss of tokens with a route dropped by the capacity factor vs tokens that kept all:")
+    _print_table(table.round(4))
+    return 0
+
+
 def _setup_routing_concentration(p):
     _store_arg(p)
     _run_arg(p)
@@ -334,10 +344,20 @@ def _setup_routing_predictability(p):
     p.set_defaults(func=cmd_routing_predictability)
 
 
+def _setup_loss_vs_routing(p):
+    _store_arg(p)
+    _run_arg(p)
+    p.add_argument("--phase", default="train", choices=["train", "valid"])
+    p.add_argument("--layer", type=int, action="append", default=None, help="restrict to these layers")
+    p.set_defaults(func=cmd_loss_vs_routing)
+
+
 add_subcommand("routing-concentration", _setup_routing_concentration,
                "expert frequency, hot experts per iteration window and top-N coverage, per layer")
 add_subcommand("routing-predictability", _setup_routing_predictability,
                "layer L's router applied to layer L-1's resid.in: cosine and Spearman vs the actual routing")
+add_subcommand("loss-vs-routing", _setup_loss_vs_routing,
+               "per-token loss of tokens whose routes were dropped vs kept, per layer and iteration")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,8 +10,13 @@
   (``router.expert_counts`` row 0, before capacity dropping) by cosine similarity and Spearman
   rank correlation, per iteration and layer.
 
-Both count the router's choices before capacity dropping: they describe what the router wants,
-not what the capacity factor lets through (``Store.drop_rate`` covers that).
+- ``loss_vs_routing``: are the tokens whose routes the capacity factor dropped harder? The mean
+  per-token loss (``loss.token``, weighted by its loss mask) of tokens that lost at least one of
+  their top-k routes (``router.topk_ids`` holds the sentinel E) against tokens that kept all of
+  them, per iteration and layer.
+
+The first two count the router's choices before capacity dropping: they describe what the router
+wants, not what the capacity factor lets through (``Store.drop_rate`` covers that).
 """
 
 from __future__ import annotations
@@ -158,3 +163,44 @@ def routing_predictability(store: Store, run_id: str | None = None, phase: str =
     return pd.DataFrame(rows, columns=["iteration", "layer", "topk", "tokens", "cosine", "spearman", "predicted",
                                        "actual"])
 
+
+
+def loss_vs_routing(store: Store, run_id: str | None = None, phase: str = "train", layers: Sequence[int] | None = None,
+                    iterations: Sequence[int] | None = None) -> pd.DataFrame:
+    """Per (iteration, layer): ``tokens_dropped`` / ``tokens_kept`` (tokens the loss mask counts, by
+    whether the layer dropped at least one of their routes) and their mean loss ``loss_dropped`` /
+    ``loss_kept`` (NaN without such tokens), over every stored microbatch and data-parallel rank.
+    A loss mask stored as NaN (the step passed none) counts every token."""
+    run_id = store.resolve_run(run_id)
+    visible = store.visible_attempts(run_id)
+    its = sorted(i for p, i in visible if p == phase and (not iterations or i in set(iterations)))
+    experts = store.expert_load(run_id, phase, layers, its).groupby("layer")["expert"].max() + 1
+    sums: dict[tuple[int, int], np.ndarray] = {}  # (iteration, layer) -> [weight, loss x weight] x (dropped, kept)
+    for it in its:
+        attempt = visible[(phase, it)]
+        routed = [layer for (layer,) in _stored(store, run_id, phase, it, attempt, "router.topk_ids", "layer")
+                  if (not layers or layer in set(layers)) and layer in experts.index]
+        for dp, mb in _stored(store, run_id, phase, it, attempt, "loss.token", "dp, microbatch"):
+            loss_and_mask = store.tensor(run_id, "loss.token", it, mb, None, phase, dp).double()
+            loss = loss_and_mask[..., 0].reshape(-1)
+            weight = torch.nan_to_num(loss_and_mask[..., 1].reshape(-1), nan=1.0)
+            for layer in routed:
+                ids = store.tensor(run_id, "router.topk_ids", it, mb, layer, phase, dp)
+                if ids.shape[0] != loss.shape[0]:
+                    raise StoreError(f"iteration {it} microbatch {mb} dp {dp} layer {layer}: {ids.shape[0]} routed tokens "
+                                     f"but {loss.shape[0]} per-token losses")
+                dropped = (ids == int(experts[layer])).any(dim=-1)
+                acc = sums.setdefault((it, layer), np.zeros(4))
+                for column, chosen in ((0, dropped), (2, ~dropped)):
+                    w = weight[chosen]
+                    acc[column] += float(w.sum())
+                    acc[column + 1] += float((loss[chosen] * w).sum())
+    if not sums:
+        raise StoreError("nothing to compare: needs loss.token and router.topk_ids of the same iterations "
+                         "(capture --dmi-hooks router,loss)")
+    rows = []
+    for (it, layer), (w_dropped, l_dropped, w_kept, l_kept) in sorted(sums.items()):
+        rows.append({"iteration": it, "layer": layer, "tokens_dropped": w_dropped, "tokens_kept": w_kept,
+                     "loss_dropped": l_dropped / w_dropped if w_dropped else float("nan"),
+                     "loss_kept": l_kept / w_kept if w_kept else float("nan")})
+    return pd.DataFrame(rows)

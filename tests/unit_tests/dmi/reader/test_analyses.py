@@ -1,6 +1,7 @@
 """Routing analyses on the store of a real tiny MoE run (pretrain_gpt.py on the CPU with
---dmi-hooks router,resid), checked against the same quantities computed with plain torch from the
-run's independent oracle (plain forward hooks on the routers and layers, tests/functional_tests/
+--dmi-hooks router,resid,loss and capacity factor 1.0, so that routes are dropped), checked against
+the same quantities computed with plain torch from the run's independent oracle (plain forward
+hooks on the routers and layers and pretrain_gpt's loss function, tests/functional_tests/
 oracle_launch.py)."""
 
 import os
@@ -20,8 +21,8 @@ ITERATIONS, EXPERTS, TOPK = 3, 4, 2
 def run(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("analyses"))
     store = os.path.join(tmp, "store")
-    run_pretrain(tiny_moe_args() + ["--train-iters", str(ITERATIONS), "--dmi-hooks", "router,resid",
-                                    "--dmi-store-dir", store], tmp)
+    run_pretrain(tiny_moe_args() + ["--train-iters", str(ITERATIONS), "--dmi-hooks", "router,resid,loss",
+                                    "--moe-expert-capacity-factor", "1.0", "--dmi-store-dir", store], tmp)
     return store, load_oracle(tmp)
 
 
@@ -43,7 +44,13 @@ def predictability(store_dir: str):
 
 
 def _tokens_per_expert(oracle, layer, iterations):
-    return sum(v["routing_map"].sum(0).long() for (it, mb, l), v in oracle.items() if l == layer and it in iterations)
+    """The router's choices before capacity dropping: the top-k of its logits (softmax is monotonic)."""
+    total = torch.zeros(EXPERTS, dtype=torch.long)
+    for (it, mb, l), v in oracle.items():
+        if l == layer and it in iterations:
+            chosen = torch.topk(v["router.logits"], TOPK, dim=-1).indices
+            total += torch.bincount(chosen.reshape(-1), minlength=EXPERTS)
+    return total
 
 
 def _average_ranks(x):
@@ -103,6 +110,36 @@ def test_routing_predictability_matches_plain_torch(run):
             assert row["spearman"] == pytest.approx(np.corrcoef(_average_ranks(p), _average_ranks(a))[0, 1])
 
 
+def loss_table(store_dir: str):
+    from megatron.core.dmi.reader import open_store
+    from megatron.core.dmi.reader.analyses import loss_vs_routing
+
+    with open_store(store_dir) as store:
+        return loss_vs_routing(store)
+
+
+def test_loss_vs_routing_matches_the_oracle(run):
+    store, oracle = run
+    table = run_isolated(loss_table, store)
+    assert sorted(zip(table.iteration, table.layer)) == [(it, layer) for it in range(1, ITERATIONS + 1) for layer in (0, 1)]
+    assert table["tokens_dropped"].sum() > 0, "capacity factor 1.0 dropped no route"
+    for _, row in table.iterrows():
+        it, layer = row["iteration"], row["layer"]
+        dropped, kept = [], []
+        for (i, mb, l), v in sorted(oracle.items()):
+            if i != it or l != layer:
+                continue
+            loss = oracle[(it, mb, 1)]["loss.token"]  # [s, b, 2], recorded under the last layer
+            lost_a_route = v["routing_map"].sum(-1) < TOPK  # [s * b], the router's token order
+            for token, (value, mask) in enumerate(loss.reshape(-1, 2).tolist()):
+                if mask:
+                    (dropped if lost_a_route[token] else kept).append(value)
+        assert (row["tokens_dropped"], row["tokens_kept"]) == (len(dropped), len(kept))
+        for column, values in (("loss_dropped", dropped), ("loss_kept", kept)):
+            if values:
+                assert row[column] == pytest.approx(sum(values) / len(values), rel=1e-12)
+
+
 def test_cli_commands(run):
     store, _ = run
     rc, out = run_isolated(W.load_cli, ["routing-concentration", store, "--window", "2"])
@@ -111,6 +148,9 @@ def test_cli_commands(run):
     rc, out = run_isolated(W.load_cli, ["routing-predictability", store])
     assert rc == 0, out
     assert "cosine" in out and "spearman" in out and "per layer (mean over iterations)" in out
+    rc, out = run_isolated(W.load_cli, ["loss-vs-routing", store])
+    assert rc == 0, out
+    assert "loss_dropped" in out and "loss_kept" in out
 
 
 def test_predictability_needs_resid(tmp_path):
@@ -125,6 +165,6 @@ def test_plots(run, tmp_path):
     store, _ = run
     written = run_isolated(W.run_plot_example, store, str(tmp_path / "png"))
     names = sorted(os.path.basename(p) for p in written)
-    assert {"hot_experts.png", "topn_coverage.png", "routing_predictability.png"} <= set(names)
+    assert {"hot_experts.png", "topn_coverage.png", "routing_predictability.png", "loss_vs_routing.png"} <= set(names)
     for p in written:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
