@@ -38,6 +38,13 @@ from megatron.core.dmi.reader.analyses import (  # noqa: E402
 )
 
 
+def _save(fig, path: str) -> list[str]:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return [path]
+
+
 def _layer_expert_panels(panels, cmap: str, label: str, title: str, path: str) -> None:
     """One layers x experts heatmap per (title, share table) panel, side by side, into ``path``."""
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
@@ -49,9 +56,7 @@ def _layer_expert_panels(panels, cmap: str, label: str, title: str, path: str) -
         ax.set_yticks(range(len(share.index)), [str(x) for x in share.index])
         fig.colorbar(im, ax=ax, label=label)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_expert_load(load, out_dir: str, max_panels: int = 4) -> list[str]:
@@ -76,11 +81,7 @@ def plot_expert_load(load, out_dir: str, max_panels: int = 4) -> list[str]:
     ax.set_ylabel("max / mean tokens per expert")
     ax.set_title("expert load imbalance")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    p2 = os.path.join(out_dir, "expert_load_over_time.png")
-    fig.savefig(p2, dpi=120)
-    plt.close(fig)
-    return [p1, p2]
+    return [p1] + _save(fig, os.path.join(out_dir, "expert_load_over_time.png"))
 
 
 def _per_layer_lines(df, column: str, scale: float, ylabel: str, title: str, path: str, ylim=None,
@@ -100,10 +101,7 @@ def _per_layer_lines(df, column: str, scale: float, ylabel: str, title: str, pat
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+    return _save(fig, path)
 
 
 def plot_drop_rate(rate, out_dir: str) -> list[str]:
@@ -124,11 +122,7 @@ def plot_attention(pattern, title: str, out_dir: str) -> list[str]:
     ax.set_ylabel("query position")
     ax.set_title(title, fontsize=9)
     fig.colorbar(im, ax=ax, label="attention probability")
-    fig.tight_layout()
-    p = os.path.join(out_dir, "attention.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return [p]
+    return _save(fig, os.path.join(out_dir, "attention.png"))
 
 
 def plot_hot_experts(heatmap, out_dir: str, max_panels: int = 4) -> list[str]:
@@ -160,11 +154,7 @@ def plot_predictability(table, out_dir: str) -> list[str]:
         ax.set_ylabel(column)
         ax.legend(fontsize=7, ncol=2)
     fig.suptitle("routing predictability: layer L's router on layer L-1's input vs actual")
-    fig.tight_layout()
-    p = os.path.join(out_dir, "routing_predictability.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return [p]
+    return _save(fig, os.path.join(out_dir, "routing_predictability.png"))
 
 
 def plot_loss_vs_routing(table, out_dir: str) -> list[str]:
@@ -176,11 +166,7 @@ def plot_loss_vs_routing(table, out_dir: str) -> list[str]:
     ax.set_ylabel("mean per-token loss")
     ax.set_title("loss of tokens with dropped vs kept routes")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    p = os.path.join(out_dir, "loss_vs_routing.png")
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
-    return [p]
+    return _save(fig, os.path.join(out_dir, "loss_vs_routing.png"))
 
 
 def main(argv=None) -> list[str]:

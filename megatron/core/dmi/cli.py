@@ -326,29 +326,27 @@ def cmd_loss_vs_routing(args) -> int:
     return 0
 
 
-def _setup_routing_concentration(p):
+def _analysis_args(p, layer_help: str) -> None:
     _store_arg(p)
     _run_arg(p)
     p.add_argument("--phase", default="train", choices=["train", "valid"])
-    p.add_argument("--layer", type=int, action="append", default=None, help="restrict to these layers")
+    p.add_argument("--layer", type=int, action="append", default=None, help=layer_help)
+
+
+def _setup_routing_concentration(p):
+    _analysis_args(p, "restrict to these layers")
     p.add_argument("--window", type=int, default=1, help="captured iterations per heatmap window (default: 1)")
     p.set_defaults(func=cmd_routing_concentration)
 
 
 def _setup_routing_predictability(p):
-    _store_arg(p)
-    _run_arg(p)
-    p.add_argument("--phase", default="train", choices=["train", "valid"])
-    p.add_argument("--layer", type=int, action="append", default=None, help="restrict to these layers L (>= 1)")
+    _analysis_args(p, "restrict to these layers L (>= 1)")
     p.add_argument("--iteration", type=int, action="append", default=None, help="restrict to these iterations")
     p.set_defaults(func=cmd_routing_predictability)
 
 
 def _setup_loss_vs_routing(p):
-    _store_arg(p)
-    _run_arg(p)
-    p.add_argument("--phase", default="train", choices=["train", "valid"])
-    p.add_argument("--layer", type=int, action="append", default=None, help="restrict to these layers")
+    _analysis_args(p, "restrict to these layers")
     p.set_defaults(func=cmd_loss_vs_routing)
 
 
