@@ -38,6 +38,11 @@ from megatron.core.dmi.reader.analyses import (  # noqa: E402
 )
 
 
+def _spread(values: list, count: int) -> list:
+    """Up to ``count`` of ``values``, evenly spread from the first to the last."""
+    return [values[round(float(i))] for i in np.linspace(0, len(values) - 1, min(count, len(values)))]
+
+
 def _save(fig, path: str) -> list[str]:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -63,7 +68,7 @@ def plot_expert_load(load, out_dir: str, max_panels: int = 4) -> list[str]:
     its = sorted(load["iteration"].unique())
     if not its:
         return []
-    pick = [its[int(round(i))] for i in np.linspace(0, len(its) - 1, min(max_panels, len(its)))]
+    pick = _spread(its, max_panels)
     panels = []
     for it in pick:
         m = load[load.iteration == it].pivot(index="layer", columns="expert", values="tokens_post").fillna(0)
@@ -127,7 +132,7 @@ def plot_attention(pattern, title: str, out_dir: str) -> list[str]:
 
 def plot_hot_experts(heatmap, out_dir: str, max_panels: int = 4) -> list[str]:
     windows = sorted(heatmap["window_start"].unique())
-    pick = [windows[int(round(i))] for i in np.linspace(0, len(windows) - 1, min(max_panels, len(windows)))]
+    pick = _spread(windows, max_panels)
     panels = []
     for start in pick:
         d = heatmap[heatmap.window_start == start]

@@ -307,8 +307,8 @@ def markdown_table() -> str:
         )
     lines += [
         "",
-        "Bytes per token per layer of one TP rank (TP = 1 below); a once-per-iteration output gives "
-        "its whole record:",
+        ("Bytes per token per layer of one TP rank (TP = 1 below); a once-per-iteration output gives "
+         "its whole record:"),
         "",
         "| output | " + " | ".join(SIZE_MODELS) + " |",
         "|---|" + "---|" * len(SIZE_MODELS),

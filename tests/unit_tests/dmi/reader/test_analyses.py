@@ -157,7 +157,7 @@ def test_predictability_needs_resid(tmp_path):
     """A store without resid.in/router.weight gets a one-line error naming what to capture."""
     recs = W.moe_records(iterations=range(1, 3), layers=(0, 1), experts=4, seed=3)
     run_isolated(W.write_embedded, str(tmp_path / "s"), recs, [W.run_info()])
-    rc, out = run_isolated(W.load_cli, ["routing-predictability", str(tmp_path / "s")])
+    rc, _ = run_isolated(W.load_cli, ["routing-predictability", str(tmp_path / "s")])
     assert rc == 2
 
 
@@ -167,4 +167,5 @@ def test_plots(run, tmp_path):
     names = sorted(os.path.basename(p) for p in written)
     assert {"hot_experts.png", "topn_coverage.png", "routing_predictability.png", "loss_vs_routing.png"} <= set(names)
     for p in written:
-        assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
