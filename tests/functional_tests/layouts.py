@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.core.dmi.catalog import GROUPS
+from megatron.core.dmi import catalog
 
 BASE_ARGS = [
     "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
@@ -18,7 +18,7 @@ BASE_ARGS = [
     "--transformer-impl", "local", "--no-rope-fusion", "--no-masked-softmax-fusion", "--no-persist-layer-norm",
     "--no-gradient-accumulation-fusion", "--deterministic-mode", "--use-cpu-initialization", "--log-interval", "1",
     "--eval-iters", "0", "--eval-interval", "1000", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--dmi-hooks", "router,attn",
+    "--dmi-hooks", "router,attn,resid,mlp,loss,logits",
 ]
 
 
@@ -43,7 +43,7 @@ class Layout:
                 skip = 1
                 continue
             args.append(a)
-        return args + ["--dmi-hooks", "attn"] + list(self.args)
+        return args + ["--dmi-hooks", "attn,resid,mlp,loss,logits"] + list(self.args)
 
     def value(self, flag: str, default: str | None = None) -> str | None:
         args = self.full_args()
@@ -72,6 +72,8 @@ LAYOUTS = [
     Layout("pp2_vpp2", 2, ("--num-layers", "4", "--pipeline-model-parallel-size", "2",
                            "--num-layers-per-virtual-pipeline-stage", "1")),
     Layout("dp2", 2, ()),
+    Layout("tp2_sp_shared", 2, ("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                "--moe-shared-expert-intermediate-size", "64")),
     Layout("ep2_capacity", 2, ("--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0"),
            dispatcher="alltoall"),
 ]
@@ -94,17 +96,18 @@ def captured_iterations(train_iters: int, interval: int = 1, start: int = 1, end
 
 
 def expected_record_counts(args: list[str], world_size: int) -> dict[str, int]:
-    """Records a run stores per hook output, from its arguments alone:
+    """Records a run stores per hook output, from its arguments and the catalog alone:
 
-        captured iterations x microbatches per DP replica x selected layers x producing ranks
+        captured iterations x microbatches x layers in the output's scope x producing ranks
 
-    where the producing ranks of one (iteration, microbatch, layer) are, per data-parallel replica
-    (DP = world / (TP x PP x CP); EP and ETP subdivide the expert part of that replica set and do
-    not add producers of router or attention outputs):
-
-    * router outputs: TP ranks with sequence parallelism (each routes its own sequence shard);
-      without it only TP rank 0 publishes (every TP rank routed the same tokens), so 1;
-    * attention outputs: TP ranks (each holds heads / TP heads).
+    * layers: the selected layers (``--dmi-layers``) in the output's catalog scope (every layer,
+      the MoE layers, those with a shared expert, or the last layer);
+    * microbatches: per DP replica, or 1 for once-per-iteration outputs (``router.weight``);
+    * producing ranks (``catalog.producers_per_replica``): per data-parallel replica
+      (DP = world / (TP x PP x CP); EP and ETP subdivide the expert part of that replica set and do
+      not add producers), the TP ranks for head-sharded outputs (attention) and for token outputs
+      under sequence parallelism, else TP rank 0 only, summed over the DP replicas; a replicated
+      weight comes from DP replica 0 only.
 
     Only the train phase is counted (the layouts do not evaluate).
     """
@@ -120,12 +123,15 @@ def expected_record_counts(args: list[str], world_size: int) -> dict[str, int]:
     micro = int(val("--global-batch-size")) // (int(val("--micro-batch-size")) * dp)
     iters = captured_iterations(int(val("--train-iters")), int(val("--dmi-interval", 1)), int(val("--dmi-start-iter", 1)),
                                 int(val("--dmi-end-iter")) if val("--dmi-end-iter") else None)
-    layers = parse_layers(val("--dmi-layers"), int(val("--num-layers")))
-    hooks = set()
-    for item in val("--dmi-hooks").split(","):
-        hooks.update(GROUPS.get(item, (item,)))
+    num_layers = int(val("--num-layers"))
+    layers = parse_layers(val("--dmi-layers"), num_layers)
+    moe_layers = set(range(num_layers)) if val("--num-experts") else set()  # --moe-layer-freq 1
+    shared_expert_layers = moe_layers if val("--moe-shared-expert-intermediate-size") else set()
     out = {}
-    for output in sorted(hooks):
-        producers = (tp if sp else 1) if output.startswith("router.") else tp
-        out[output] = len(iters) * micro * len(layers) * producers * dp
+    for output in sorted(catalog.parse_hooks(val("--dmi-hooks"))):
+        producers = sum(catalog.producers_per_replica(output, tp, sp, dp_rank0=(r == 0)) for r in range(dp))
+        per_step = micro if catalog.BY_NAME[output].per_microbatch else 1
+        scoped = catalog.layers_in_scope(output, layers, num_layers, moe_layers, shared_expert_layers)
+        if scoped:
+            out[output] = len(iters) * per_step * len(scoped) * producers
     return out

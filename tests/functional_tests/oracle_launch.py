@@ -1,10 +1,13 @@
 """Launch pretrain_gpt.py for tests, with two optional extras (both off unless their variable is set):
 
 * ``DMI_ORACLE_OUT``: an independent oracle: plain PyTorch forward hooks on the same TopKRouters
-  and core-attention modules that copy what the model computed synchronously, keyed by (iteration,
-  microbatch, layer), gathered to the full tensor over the tensor-parallel group with a collective
-  inside the hook when the layout shards it (sequence parallelism for router outputs, heads for
-  attention), and written to $DMI_ORACLE_OUT/oracle-rank<R>.pt at exit. Tests compare DMI's
+  and core-attention modules, and on the transformer layers themselves (their input, their output
+  and their MLP block's output: DMI takes the residual stream at the layer's input norm and the
+  block's final norm instead), that copy what the model computed synchronously, keyed by
+  (iteration, microbatch, layer), gathered to the full tensor over the tensor-parallel group with a
+  collective inside the hook when the layout shards it (sequence parallelism for token rows, heads
+  for attention), and written to $DMI_ORACLE_OUT/oracle-rank<R>.pt at exit. The per-token loss and
+  its mask are taken where the training step consumes them: pretrain_gpt's loss function. Tests compare DMI's
   reconstructed records bitwise with what the model really computed in the same run.
 * ``DMI_TEST_KILL_AFTER_ITER=N``: the process kills itself with SIGKILL right after Megatron logs
   iteration N (a crash with no clean-up: what DMI had not flushed is lost, as in a real failure).
@@ -27,6 +30,7 @@ from megatron.training.dmi import pretrain_gpt  # noqa: E402  (its main() prepar
 
 import megatron.training.training as mt_training  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: E402
 from megatron.training import get_args  # noqa: E402
@@ -69,7 +73,10 @@ def router_oracle(router, args, output):
         logits = logits.reshape(-1, logits.shape[-1])
         if router.config.sequence_parallel:  # each TP rank routed its own sequence shard
             logits, probs, routing_map = (_gather_tp(x, 0) for x in (logits, probs, routing_map))
-    oracle.setdefault((iteration, microbatch, layer), {}).update({
+    entry = oracle.setdefault((iteration, microbatch, layer), {})
+    if microbatch == 0:  # the weight this iteration's forwards use
+        entry["router.weight"] = router.weight.detach().cpu().clone()
+    entry.update({
         "router.logits": logits.detach().cpu().clone(),
         "probs": probs.detach().cpu().clone(),
         "routing_map": routing_map.detach().cpu().clone(),
@@ -93,6 +100,42 @@ def attention_oracle(layer_number):
 
 
 attn_calls: collections.Counter = collections.Counter()
+layer_calls: collections.Counter = collections.Counter()
+
+
+def layer_oracles(layer_module):
+    """The layer's input hidden states, its MLP block's output and (last layer) its output, gathered
+    over TP under sequence parallelism (each TP rank holds its own sequence shard)."""
+    layer = layer_module.layer_number - 1
+    sequence_parallel = layer_module.config.sequence_parallel
+    last = layer_module.layer_number == layer_module.config.num_layers
+
+    def keep(kind: str, output: str, t: torch.Tensor, module) -> None:
+        if not _training_forward(module):
+            return
+        iteration = get_args().curr_iteration + 1
+        microbatch = layer_calls[(kind, iteration, layer)]
+        layer_calls[(kind, iteration, layer)] += 1
+        with torch.no_grad():
+            t = _gather_tp(t.detach(), 0) if sequence_parallel else t.detach()
+        oracle.setdefault((iteration, microbatch, layer), {})[output] = t.cpu().clone()
+
+    def layer_input(module, args, kwargs):
+        keep("in", "resid.in", kwargs["hidden_states"], module)
+
+    def layer_output(module, args, output):
+        keep("out", "resid.out", output[0], module)
+
+    def mlp_output(module, args, output):
+        keep("mlp", "mlp.out", output[0], module)
+
+    layer_module.register_forward_pre_hook(layer_input, with_kwargs=True)
+    layer_module.mlp.register_forward_hook(mlp_output)
+    if getattr(layer_module.mlp, "shared_experts", None) is not None:
+        layer_module.mlp.shared_experts.register_forward_hook(
+            lambda module, args, output: keep("shared", "mlp.shared", output, module))
+    if last:
+        layer_module.register_forward_hook(layer_output)
 
 
 upstream_model_provider = pretrain_gpt.model_provider
@@ -105,7 +148,53 @@ def model_provider(*args, **kwargs):
             m.register_forward_hook(router_oracle)
         if isinstance(m, TransformerLayer) and getattr(m.self_attention, "core_attention", None) is not None:
             m.self_attention.core_attention.register_forward_hook(attention_oracle(m.layer_number))
+        if isinstance(m, TransformerLayer):
+            layer_oracles(m)
+        if isinstance(m, GPTModel) and m.post_process:
+            logits_oracles(m)
     return model
+
+
+loss_calls: collections.Counter = collections.Counter()
+upstream_loss_func = pretrain_gpt.loss_func
+
+
+def loss_oracle(loss_mask, output_tensor, *args, **kwargs):
+    """[s, b, 2]: the per-token loss the step reduces and its mask (evaluation steps excluded)."""
+    if torch.is_grad_enabled():  # training steps run forward with grad; evaluation runs without
+        args_ = get_args()
+        iteration = args_.curr_iteration + 1
+        microbatch = loss_calls[iteration]
+        loss_calls[iteration] += 1
+        with torch.no_grad():
+            loss = torch.stack([output_tensor.detach().float().t(), loss_mask.detach().float().t()], dim=-1)
+        oracle.setdefault((iteration, microbatch, args_.num_layers - 1), {})["loss.token"] = loss.cpu().clone()
+    return upstream_loss_func(loss_mask, output_tensor, *args, **kwargs)
+
+
+def logits_oracles(model):
+    """The output layer's logits of each training forward, gathered over the TP group (each rank
+    holds a vocabulary shard), with the forward's labels as [s, b]."""
+    labels_seen = {}
+
+    def take_labels(module, args, kwargs):
+        labels_seen["labels"] = kwargs.get("labels")
+
+    def logits_hook(module, args, output):
+        labels = labels_seen.pop("labels", None)
+        if labels is None or not _training_forward(module):
+            return
+        args_ = get_args()
+        iteration = args_.curr_iteration + 1
+        microbatch = layer_calls[("logits", iteration)]
+        layer_calls[("logits", iteration)] += 1
+        with torch.no_grad():
+            logits = _gather_tp(output[0].detach(), -1)
+        oracle.setdefault((iteration, microbatch, args_.num_layers - 1), {}).update(
+            logits=logits.cpu().clone(), labels=labels.t().cpu().clone())
+
+    model.register_forward_pre_hook(take_labels, with_kwargs=True)
+    model.output_layer.register_forward_hook(logits_hook)
 
 
 def kill_after(iteration: int) -> None:
@@ -133,6 +222,7 @@ if __name__ == "__main__":
     if os.environ.get("DMI_ORACLE_OUT"):
         atexit.register(save)
         pretrain_gpt.model_provider = model_provider
+        pretrain_gpt.loss_func = loss_oracle
     if os.environ.get("DMI_TEST_KILL_AFTER_ITER"):
         kill_after(int(os.environ["DMI_TEST_KILL_AFTER_ITER"]))
     sys.argv[0] = os.path.join(REPO, "pretrain_gpt.py")

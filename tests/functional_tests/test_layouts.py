@@ -1,5 +1,5 @@
 """Distributed fidelity: for each parallel layout, several real processes (torch.distributed.run,
-gloo, CPU development mode) train the same tiny MoE with --dmi-hooks router,attn and
+gloo, CPU development mode) train the same tiny MoE with --dmi-hooks router,attn,resid,mlp,loss,logits and
 --dmi-persist spool; the spool is loaded into a store in another process and
 
 * the stored record count equals the analytic count (layouts.expected_record_counts);
@@ -19,11 +19,16 @@ import shutil
 import pytest
 import torch
 
+from megatron.core.dmi import catalog
 from tests.functional_tests import runner
 from tests.functional_tests.layouts import BASE_ARGS, BY_NAME, LAYOUTS, Layout, expected_record_counts
 
 ROUTER = ("router.logits", "router.topk_ids", "router.topk_probs", "router.expert_counts")
 ALL = ROUTER + ("attn.context",)
+# compared wherever the oracle saw them: resid.out only at the last layer, router.weight only at
+# microbatch 0 of MoE layers (and stored by DP rank 0 only)
+RESID_MLP = ("resid.in", "resid.out", "mlp.out", "mlp.shared", "router.weight", "loss.token")
+LOGITS = ("logits.topk", "logits.target")  # merged from vocabulary shards: compared with plain torch
 
 # Outputs whose iteration-1 tensors equal a single-rank run bitwise, per layout. Why not the rest:
 # - TP: the attention output projection is row-parallel: each rank multiplies its heads' part and
@@ -37,11 +42,14 @@ ALL = ROUTER + ("attn.context",)
 # - PP: each pipeline stage seeds its generator with seed + 100 * pp_rank, so stage 1's weights
 #   differ from the single-rank model's layers there; stage 0's layers match.
 SINGLE_RANK_BITWISE: dict[str, set[tuple[str, int]]] = {}  # filled from the table below
-_EXACT_LAYER0 = {(o, 0) for o in ALL}
-_ALL2 = {(o, l) for o in ALL for l in (0, 1)}
+# EP: layer 0's input and router weight match; its MLP output holds the differently drawn experts.
+_EXACT_LAYER0 = {(o, 0) for o in ALL} | {("resid.in", 0), ("router.weight", 0)}
+_LAST_LAYER_ONLY = ("resid.out", "loss.token") + LOGITS
+_ALL2 = ({(o, l) for o in ALL + RESID_MLP for l in (0, 1) if o not in _LAST_LAYER_ONLY + ("mlp.shared",)}
+         | {(o, 1) for o in _LAST_LAYER_ONLY})
 SINGLE_RANK_EXPECT = {
     "dp2": _ALL2,
-    "pp2": _EXACT_LAYER0,
+    "pp2": _EXACT_LAYER0 | {("mlp.out", 0)},
     "ep2_alltoall": _EXACT_LAYER0,
     "ep2_allgather": _EXACT_LAYER0,
     "ep2_capacity": None,  # different capacity factor from the reference run: in-run oracle only
@@ -49,6 +57,7 @@ SINGLE_RANK_EXPECT = {
     "tp2": set(),
     "tp2_sp": set(),
     "tp2_sp_ep2": set(),
+    "tp2_sp_shared": None,  # a shared expert: no single-rank reference run of that model here
     "pp2_vpp2": None,  # 4 layers: no single-rank reference run of that model here
 }
 
@@ -118,7 +127,7 @@ def test_layout(name, tmp_path_factory):
     assert sorted(topo) == list(range(layout.nproc))
 
     # 2. reconstructed tensors == in-run oracle (gathered over TP inside the run), bitwise
-    compared = 0
+    compared, compared_resid = 0, {}
     for rank, entries in res["oracle"].items():
         t = topo[rank]
         if int(t["tp"]) != 0:
@@ -129,6 +138,19 @@ def test_layout(name, tmp_path_factory):
             got = {o: dump["tensors"][key + (o, 0, dp)] for o in (("attn.context",) if layout.dense else ALL)}
             assert _bitwise(got["attn.context"], seen["attn.context"]), (name, key, dp)
             compared += 1
+            for output in RESID_MLP:
+                if output in seen and (output != "router.weight" or dp == 0):
+                    assert _bitwise(dump["tensors"][key + (output, 0, dp)], seen[output]), (name, key, dp, output)
+                    compared_resid[output] = compared_resid.get(output, 0) + 1
+            if "logits" in seen:  # the merged vocabulary shards vs plain torch on the gathered logits
+                logits, labels = seen["logits"].float(), seen["labels"]
+                top = torch.topk(logits, 8, dim=-1)
+                merged = dump["tensors"][key + ("logits.topk", 0, dp)]
+                assert _bitwise(merged[..., 0], top.values) and torch.equal(merged[..., 1].long(), top.indices), key
+                want = torch.log_softmax(logits.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+                torch.testing.assert_close(dump["tensors"][key + ("logits.target", 0, dp)], want, rtol=0, atol=1e-5)
+                for output in ("logits.topk", "logits.target"):
+                    compared_resid[output] = compared_resid.get(output, 0) + 1
             if layout.dense:
                 continue
             assert _bitwise(got["router.logits"], seen["router.logits"]), (name, key, dp)
@@ -136,7 +158,11 @@ def test_layout(name, tmp_path_factory):
             counts_after = seen["routing_map"].sum(0).to(torch.int32)
             assert torch.equal(got["router.expert_counts"][1], counts_after), (name, key, dp)
     tp = int(layout.value("--tensor-model-parallel-size", "1"))
-    assert compared == expected_record_counts(res["args"], res["nproc"])["attn.context"] // tp
+    expected = expected_record_counts(res["args"], res["nproc"])
+    assert compared == expected["attn.context"] // tp
+    sp = layout.has("--sequence-parallel")
+    assert compared_resid == {o: expected[o] // catalog.producers_per_replica(o, tp, sp)  # records per full tensor
+                              for o in RESID_MLP + LOGITS if o in expected}, compared_resid
 
     if name == "ep2_capacity":
         ids = torch.cat([v for k, v in dump["tensors"].items() if k[4] == "router.topk_ids"])
@@ -156,8 +182,12 @@ def test_layout(name, tmp_path_factory):
         ref = single[(phase, 1, mb * dp_size + dp, layer, output, inv, 0)]
         if _bitwise(t, ref):
             equal.add((output, layer, mb, dp))
-    per_output = {(o, l) for (o, l, _, _) in equal
-                  if all((o, l, m, d) in equal for m in range(2 // dp_size) for d in range(dp_size))}
+    def slots(output):  # the (microbatch, dp) records of one iteration (a weight: microbatch 0 of DP 0)
+        if output == "router.weight":
+            return [(0, 0)]
+        return [(m, d) for m in range(2 // dp_size) for d in range(dp_size)]
+
+    per_output = {(o, l) for (o, l, _, _) in equal if all((o, l, m, d) in equal for m, d in slots(o))}
     assert expect <= per_output, f"{name}: expected bitwise equal to single-rank {sorted(expect - per_output)}; equal: {sorted(per_output)}"
 
 

@@ -12,7 +12,18 @@ from typing import Callable, Literal
 
 from megatron.core.dmi.errors import DMIError
 
-Combine = Literal["concat", "sum"]
+Combine = Literal["concat", "sum", "topk", "log_softmax"]
+# Which transformer layers record an output: every layer, MoE layers only, MoE layers with a shared
+# expert, or the model's last layer.
+Scope = Literal["layer", "moe_layer", "shared_expert_layer", "last_layer"]
+# Which ranks of one model replica publish a record of one (iteration, microbatch, layer):
+# - "sequence": the rows are tokens; under sequence parallelism each TP rank publishes its own token
+#   shard, without it every TP rank holds the same rows and TP rank 0 publishes them;
+# - "tensor": every TP rank publishes its shard along ``shard_dim`` (attention heads);
+# - "replicated": every TP rank holds the same full rows (the loss, computed after the vocabulary
+#   all-reduces): TP rank 0 publishes them, sequence parallel or not;
+# - "one": a replicated value (a weight) published by TP rank 0 of data-parallel rank 0 only.
+Producers = Literal["sequence", "tensor", "replicated", "one"]
 
 
 @dataclass(frozen=True)
@@ -30,11 +41,18 @@ class ModelShape:
     sequence_parallel: bool = False
     router_itemsize: int = 4
     model_itemsize: int = 4
+    hidden: int = 0
+    vocab: int = 0  # padded vocabulary (all TP shards)
+    logits_topk: int = 8
+
+    @property
+    def seq_local(self) -> int:
+        """Sequence positions on this rank (its shard under sequence parallelism)."""
+        return self.seq_length // self.tp if self.sequence_parallel and self.tp > 1 else self.seq_length
 
     @property
     def router_tokens(self) -> int:
-        seq = self.seq_length // self.tp if self.sequence_parallel and self.tp > 1 else self.seq_length
-        return seq * self.micro_batch
+        return self.seq_local * self.micro_batch
 
 
 @dataclass(frozen=True)
@@ -50,51 +68,131 @@ class HookOutput:
     combine: Combine = "concat"
     shard_dim: int | None = None
     opt_in: bool = False  # captured only when named explicitly (or with "all")
+    in_all: bool = True  # False: not even "all" selects it (named explicitly only)
+    scope: Scope = "layer"
+    producers: Producers = "sequence"
+    per_microbatch: bool = True  # False: once per captured (phase, iteration), at microbatch 0
     # (local shape, itemsize) for a model; record sizes and counts are derived from it
     local_shape: Callable[[ModelShape], tuple[tuple[int, ...], int]] = lambda m: ((), 0)
+
+
+def _hidden_per_token(m: ModelShape) -> tuple[tuple[int, ...], int]:
+    """[s_local, b, h] in the model dtype: the residual stream's shape on one rank."""
+    return (m.seq_local, m.micro_batch, m.hidden), m.model_itemsize
 
 
 OUTPUTS: tuple[HookOutput, ...] = (
     HookOutput(
         "router.logits", "router", "[tokens, E]", "router dtype",
         "Raw gating logits of every token for every expert, before top-k and capacity dropping.",
+        scope="moe_layer",
         local_shape=lambda m: ((m.router_tokens, m.num_experts), m.router_itemsize),
     ),
     HookOutput(
         "router.topk_ids", "router", "[tokens, k]", "int32",
         "Chosen experts per token, ordered by routing probability (ties: lower id first). A slot "
         "dropped by the capacity factor holds the sentinel E (the number of experts).",
+        scope="moe_layer",
         local_shape=lambda m: ((m.router_tokens, m.topk), 4),
     ),
     HookOutput(
         "router.topk_probs", "router", "[tokens, k]", "router dtype",
         "Routing weight of each slot of router.topk_ids; 0 for a dropped slot.",
+        scope="moe_layer",
         local_shape=lambda m: ((m.router_tokens, m.topk), m.router_itemsize),
     ),
     HookOutput(
         "router.expert_counts", "router", "[2, E]", "int32",
         "Tokens routed to each expert: row 0 before capacity dropping, row 1 after. Token shards sum.",
-        combine="sum",
+        combine="sum", scope="moe_layer",
         local_shape=lambda m: ((2, m.num_experts), 4),
     ),
     HookOutput(
         "attn.context", "attn", "[s, b, heads_local * d]", "model dtype",
         "Core-attention output before the output projection. Tensor parallelism shards the last dim "
         "by heads.",
-        shard_dim=-1,
+        shard_dim=-1, producers="tensor",
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.heads // m.tp * m.head_dim), m.model_itemsize),
     ),
     HookOutput(
         "attn.q", "attn", "[s, b, heads_local, d]", "model dtype",
         "Query after rotary embedding (opt-in). With attn.k it rebuilds any head's attention pattern.",
-        shard_dim=2, opt_in=True,
+        shard_dim=2, opt_in=True, producers="tensor",
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.heads // m.tp, m.head_dim), m.model_itemsize),
     ),
     HookOutput(
         "attn.k", "attn", "[s, b, groups_local, d]", "model dtype",
         "Key after rotary embedding (opt-in); one head per query group under GQA.",
-        shard_dim=2, opt_in=True,
+        shard_dim=2, opt_in=True, producers="tensor",
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.query_groups // m.tp, m.head_dim), m.model_itemsize),
+    ),
+    HookOutput(
+        "resid.in", "resid", "[s_local, b, h]", "model dtype",
+        "Hidden states entering the transformer layer (the residual stream before its input norm); "
+        "layer 0's is the embedding output. Sequence parallelism shards dim 0 over TP ranks.",
+        local_shape=_hidden_per_token,
+    ),
+    HookOutput(
+        "resid.out", "resid", "[s_local, b, h]", "model dtype",
+        "Output of the model's last transformer layer, before the final norm (recorded under that "
+        "layer's number). Sequence parallelism shards dim 0 over TP ranks.",
+        scope="last_layer",
+        local_shape=_hidden_per_token,
+    ),
+    HookOutput(
+        "router.weight", "resid", "[E, h]", "model dtype",
+        "The router's weight matrix as used by the iteration's forward, once per captured iteration "
+        "(microbatch 0, published by TP rank 0 of DP rank 0: every other rank holds the same "
+        "values). With resid.in it lets routing be predicted from the store alone.",
+        scope="moe_layer", producers="one", per_microbatch=False,
+        local_shape=lambda m: ((m.num_experts, m.hidden), m.model_itemsize),
+    ),
+    HookOutput(
+        "mlp.out", "mlp", "[s_local, b, h]", "model dtype",
+        "Output of the layer's MLP or MoE block (shared expert included) in token order, before its "
+        "bias and the residual add. Sequence parallelism shards dim 0 over TP ranks.",
+        local_shape=_hidden_per_token,
+    ),
+    HookOutput(
+        "mlp.shared", "mlp", "[s_local, b, h]", "model dtype",
+        "Output of the MoE layer's shared expert (its gate applied, with --moe-shared-expert-gate), "
+        "which mlp.out includes. Sequence parallelism shards dim 0 over TP ranks. Refused with "
+        "--moe-shared-expert-overlap (the shared expert then runs inside the token dispatcher).",
+        scope="shared_expert_layer",
+        local_shape=_hidden_per_token,
+    ),
+    HookOutput(
+        "loss.token", "loss", "[s, b, 2]", "fp32",
+        "Per-token language-model loss before any reduction, as megatron-core's "
+        "compute_language_model_loss returns it (column 0), and the loss mask the step weights it with "
+        "(column 1; NaN when the forward step passes no loss_mask to the model). Recorded under the last "
+        "layer's number, on the last pipeline stage.",
+        scope="last_layer", producers="replicated",
+        local_shape=lambda m: ((m.seq_length, m.micro_batch, 2), 4),
+    ),
+    HookOutput(
+        "logits.topk", "logits", "[s, b, k, 2]", "fp32",
+        "The k largest output logits of each token (k = --dmi-logits-topk) as (value, vocabulary id) "
+        "pairs, ids exact below 2^24. Each TP rank publishes the top-k of its vocabulary shard; the reader "
+        "returns the top-k of their union, largest first (ties: lower id), values bitwise as computed.",
+        combine="topk", producers="tensor", scope="last_layer",
+        local_shape=lambda m: ((m.seq_length, m.micro_batch, m.logits_topk, 2), 4),
+    ),
+    HookOutput(
+        "logits.target", "logits", "[s, b, 3]", "fp32",
+        "Log-probability of each token's label under the output logits (padded vocabulary included, as "
+        "in the loss). Each TP rank publishes its vocabulary shard's (max logit, sum of exp(logit - max), "
+        "label logit or -inf); the reader merges them into [s, b] fp64 log-probabilities.",
+        combine="log_softmax", producers="tensor", scope="last_layer",
+        local_shape=lambda m: ((m.seq_length, m.micro_batch, 3), 4),
+    ),
+    HookOutput(
+        "logits.full", "logits", "[s, b, vocab / TP]", "model dtype",
+        "Every output logit (named explicitly only, not by all: s x b x vocab values per microbatch; "
+        "start-up prints the size). "
+        "Tensor parallelism shards the vocabulary (last dim).",
+        shard_dim=-1, producers="tensor", scope="last_layer", opt_in=True, in_all=False,
+        local_shape=lambda m: ((m.seq_length, m.micro_batch, m.vocab // m.tp), m.model_itemsize),
     ),
 )
 
@@ -114,12 +212,39 @@ def record_bytes(output: str, model: ModelShape) -> int:
     return n
 
 
+def producers_per_replica(output: str, tp: int, sequence_parallel: bool, dp_rank0: bool = True) -> int:
+    """Ranks of one model replica (a TP group) that publish a record of ``output`` per firing;
+    ``dp_rank0`` says whether the replica is data-parallel rank 0 (the only one publishing "one")."""
+    producers = BY_NAME[output].producers
+    if producers == "one":
+        return 1 if dp_rank0 else 0
+    if producers == "replicated":
+        return 1
+    if producers == "tensor" or (sequence_parallel and tp > 1):
+        return tp
+    return 1
+
+
+def layers_in_scope(output: str, layers: list[int], num_layers: int, moe_layers: set[int],
+                    shared_expert_layers: set[int] = frozenset()) -> list[int]:
+    """The selected global layers that record ``output``."""
+    scope = BY_NAME[output].scope
+    if scope == "moe_layer":
+        return [layer for layer in layers if layer in moe_layers]
+    if scope == "shared_expert_layer":
+        return [layer for layer in layers if layer in shared_expert_layers]
+    if scope == "last_layer":
+        return [layer for layer in layers if layer == num_layers - 1]
+    return list(layers)
+
+
 class HookSelectionError(DMIError, ValueError):
     pass
 
 
 def parse_hooks(spec: str) -> frozenset[str]:
-    """Resolve ``router,attn.q`` style lists into output names; ``all`` and ``none`` work too."""
+    """Resolve ``router,attn.q`` style lists into output names; ``all`` (every output but the
+    named-only ones) and ``none`` work too."""
     selected: set[str] = set()
     for item in (s.strip() for s in spec.split(",")):
         if not item:
@@ -127,7 +252,7 @@ def parse_hooks(spec: str) -> frozenset[str]:
         if item == "none":
             continue
         if item == "all":
-            selected.update(BY_NAME)
+            selected.update(o.name for o in OUTPUTS if o.in_all)
         elif item in GROUPS:
             selected.update(GROUPS[item])
         elif item in BY_NAME:
@@ -142,17 +267,59 @@ def outputs_of_group(group: str, selected: frozenset[str]) -> list[str]:
     return [o.name for o in OUTPUTS if o.group == group and o.name in selected]
 
 
+_PUBLISHED_BY = {"sequence": "every TP rank with SP, else TP rank 0", "tensor": "every TP rank",
+                 "replicated": "TP rank 0", "one": "TP rank 0 of DP rank 0"}
+_SCOPE = {"layer": "every layer", "moe_layer": "MoE layers", "shared_expert_layer": "MoE layers with a shared expert",
+          "last_layer": "last layer"}
+_COMBINE_TEXT = {"sum": "sum over token shards", "topk": "top-k of the vocabulary shards' union",
+                 "log_softmax": "log-softmax merged from the vocabulary shards' partials"}
+
+# Reference models for the sizes table of docs/hooks.md: the functional tests' tiny MoE (fp32) and a
+# large bf16 MoE (hidden 4096, 64 experts, top-8, 32 heads of 128, vocabulary 131072, 4096 tokens per
+# microbatch); logits.topk at the default k = 8.
+SIZE_MODELS = {
+    "tiny (fp32)": ModelShape(seq_length=32, micro_batch=2, num_experts=4, topk=2, heads=4, query_groups=4,
+                              head_dim=16, hidden=64, vocab=128),
+    "large (bf16)": ModelShape(seq_length=4096, micro_batch=1, num_experts=64, topk=8, heads=32, query_groups=8,
+                               head_dim=128, hidden=4096, vocab=131072, router_itemsize=4, model_itemsize=2),
+}
+
+
+def size_per_token(output: str, model: ModelShape) -> float:
+    """Bytes one layer's record of ``output`` costs per token of a microbatch on one TP rank
+    (a once-per-iteration output: its whole record, not per token)."""
+    n = record_bytes(output, model)
+    return n if not BY_NAME[output].per_microbatch else n / model.router_tokens
+
+
 def markdown_table() -> str:
-    """The catalog as the markdown table in docs/hooks.md (a test keeps the doc in sync)."""
+    """The catalog as the markdown tables in docs/hooks.md (a test keeps the doc in sync)."""
     lines = [
-        "| output | group | local shape | dtype | shards combine by | opt-in | meaning |",
-        "|---|---|---|---|---|---|---|",
+        "| output | group | local shape | dtype | shards combine by | recorded at | published by | opt-in | meaning |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for o in OUTPUTS:
-        how = "sum over token shards" if o.combine == "sum" else (
+        how = _COMBINE_TEXT.get(o.combine) or (
             "token range on dim 0" + (f", shard index on dim {o.shard_dim}" if o.shard_dim is not None else "")
         )
+        when = _SCOPE[o.scope] + ("" if o.per_microbatch else ", once per iteration")
         lines.append(
-            f"| `{o.name}` | `{o.group}` | {o.shape} | {o.dtype} | {how} | {'yes' if o.opt_in else 'no'} | {o.doc} |"
+            f"| `{o.name}` | `{o.group}` | {o.shape} | {o.dtype} | {how} | {when} | {_PUBLISHED_BY[o.producers]} "
+            f"| {'named only' if not o.in_all else 'yes' if o.opt_in else 'no'} | {o.doc} |"
         )
+    lines += [
+        "",
+        ("Bytes per token per layer of one TP rank (TP = 1 below); a once-per-iteration output gives "
+         "its whole record:"),
+        "",
+        "| output | " + " | ".join(SIZE_MODELS) + " |",
+        "|---|" + "---|" * len(SIZE_MODELS),
+    ]
+    for o in OUTPUTS:
+        cells = []
+        for model in SIZE_MODELS.values():
+            size = size_per_token(o.name, model)
+            text = f"{size:,.2f}".rstrip("0").rstrip(".")
+            cells.append(f"{text} per iteration" if not o.per_microbatch else text)
+        lines.append(f"| `{o.name}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)

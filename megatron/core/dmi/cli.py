@@ -327,6 +327,78 @@ add_subcommand("load", _setup_load, "load spool segments into a store")
 add_subcommand("export", _setup_export, "write a store back out as spool segments (to merge node-local stores)")
 
 
+# -- routing analyses (reader/analyses.py) -----------------------------------------------------
+def cmd_routing_concentration(args) -> int:
+    from megatron.core.dmi.reader.analyses import routing_concentration
+
+    with _open(args) as store:
+        result = routing_concentration(store, args.run_id, args.phase, args.layer, None, args.window)
+    share = result.frequency.pivot(index="layer", columns="expert", values="share")
+    print("expert frequency (share of each layer's routed slots, before capacity dropping):")
+    _print_table((share * 100).round(1).reset_index())
+    coverage = result.coverage.pivot(index="layer", columns="top_n", values="coverage")
+    print("\ntop-N coverage (share of routed slots taken by the N most chosen experts):")
+    _print_table((coverage * 100).round(1).reset_index())
+    hot = result.heatmap.loc[result.heatmap.groupby(["window_start", "layer"])["share"].idxmax()]
+    print(f"\nhottest expert per layer, windows of {args.window} captured iteration(s):")
+    _print_table(hot.assign(share=(hot["share"] * 100).round(1)))
+    return 0
+
+
+def cmd_routing_predictability(args) -> int:
+    from megatron.core.dmi.reader.analyses import routing_predictability
+
+    with _open(args) as store:
+        table = routing_predictability(store, args.run_id, args.phase, args.layer, args.iteration)
+    print("layer L's router on layer L-1's resid.in: predicted vs actual tokens per expert (before dropping)")
+    _print_table(table[["iteration", "layer", "tokens", "cosine", "spearman"]].round(4))
+    print("\nper layer (mean over iterations):")
+    _print_table(table.groupby("layer", as_index=False)[["cosine", "spearman"]].mean().round(4))
+    return 0
+
+
+def cmd_loss_vs_routing(args) -> int:
+    from megatron.core.dmi.reader.analyses import loss_vs_routing
+
+    with _open(args) as store:
+        table = loss_vs_routing(store, args.run_id, args.phase, args.layer)
+    print("mean per-token loss of tokens with a route dropped by the capacity factor vs tokens that kept all:")
+    _print_table(table.round(4))
+    return 0
+
+
+def _analysis_args(p, layer_help: str) -> None:
+    _store_arg(p)
+    _run_arg(p)
+    p.add_argument("--phase", default="train", choices=["train", "valid"])
+    p.add_argument("--layer", type=int, action="append", default=None, help=layer_help)
+
+
+def _setup_routing_concentration(p):
+    _analysis_args(p, "restrict to these layers")
+    p.add_argument("--window", type=int, default=1, help="captured iterations per heatmap window (default: 1)")
+    p.set_defaults(func=cmd_routing_concentration)
+
+
+def _setup_routing_predictability(p):
+    _analysis_args(p, "restrict to these layers L (>= 1)")
+    p.add_argument("--iteration", type=int, action="append", default=None, help="restrict to these iterations")
+    p.set_defaults(func=cmd_routing_predictability)
+
+
+def _setup_loss_vs_routing(p):
+    _analysis_args(p, "restrict to these layers")
+    p.set_defaults(func=cmd_loss_vs_routing)
+
+
+add_subcommand("routing-concentration", _setup_routing_concentration,
+               "expert frequency, hot experts per iteration window and top-N coverage, per layer")
+add_subcommand("routing-predictability", _setup_routing_predictability,
+               "layer L's router applied to layer L-1's resid.in: cosine and Spearman vs the actual routing")
+add_subcommand("loss-vs-routing", _setup_loss_vs_routing,
+               "per-token loss of tokens whose routes were dropped vs kept, per layer and iteration")
+
+
 def build_parser(prog: str = "python -m megatron.core.dmi") -> argparse.ArgumentParser:
     for mod in EXTRA_COMMAND_MODULES:
         try:

@@ -64,6 +64,7 @@ class DMIConfig:
     record_replays: bool = False
     run_id: str | None = None
     flush_records: int = 256  # drain hands the sink batches of at most this many records
+    logits_topk: int = 8  # k of the logits.topk output
 
     def __post_init__(self):
         if self.run_id is not None:

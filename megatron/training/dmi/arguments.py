@@ -11,7 +11,7 @@ import os
 import urllib.parse
 import urllib.request
 
-from megatron.core.dmi.catalog import HookSelectionError, ModelShape, parse_hooks, record_bytes
+from megatron.core.dmi.catalog import BY_NAME, HookSelectionError, ModelShape, parse_hooks, record_bytes
 from megatron.core.dmi.cli import database_arg
 from megatron.core.dmi.config import DMIConfig, LayerRangeError, RunIdError, check_run_id, parse_layers
 from megatron.core.dmi.records import PHASES
@@ -156,6 +156,7 @@ def add_dmi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dmi-record-replays", action="store_true",
                    help="keep activation-recompute replays as invocation 1 instead of rejecting them")
     g.add_argument("--dmi-run-id", type=_run_id, default=None, help="run id (default: generated; kept on resume)")
+    g.add_argument("--dmi-logits-topk", type=_positive_int, default=8, help="k of the logits.topk output")
     return parser
 
 
@@ -187,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> DMIConfig:
         transport=args.dmi_transport,
         record_replays=args.dmi_record_replays,
         run_id=args.dmi_run_id,
+        logits_topk=args.dmi_logits_topk,
     )
 
 
@@ -209,6 +211,9 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
         sequence_parallel=args.sequence_parallel,
         router_itemsize={"fp32": 4, "fp64": 8}.get(args.moe_router_dtype, itemsize),
         model_itemsize=itemsize,
+        hidden=args.hidden_size,
+        vocab=getattr(args, "padded_vocab_size", None) or args.vocab_size or 0,
+        logits_topk=args.dmi_logits_topk,
     )
 
 
@@ -226,9 +231,14 @@ def _ping(url: str) -> str | None:
 
 
 def check_dmi_layout(args: argparse.Namespace) -> None:
-    """Parallel layouts DMI cannot capture correctly are refused before Megatron looks at them."""
+    """Parallel layouts and model features DMI cannot capture correctly are refused before Megatron looks at them."""
     if args.dmi_hooks and args.context_parallel_size > 1:
         _fail("--dmi-hooks", "context parallelism (--context-parallel-size > 1) is not supported by DMI yet")
+    if any(BY_NAME[o].group == "logits" for o in args.dmi_hooks) and getattr(args, "mtp_num_layers", None):
+        _fail("--dmi-hooks", "logits outputs are not supported with multi-token prediction (--mtp-num-layers)")
+    if "mlp.shared" in args.dmi_hooks and getattr(args, "moe_shared_expert_overlap", False):
+        _fail("--dmi-hooks", "mlp.shared is not supported with --moe-shared-expert-overlap (the shared expert runs "
+                             "inside the token dispatcher there)")
 
 
 def validate_dmi_args(args: argparse.Namespace) -> None:
@@ -236,12 +246,17 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
     if not args.dmi_hooks:
         return
     shape = model_shape(args)
-    if any(o.startswith("router.") for o in args.dmi_hooks) and not args.num_experts:
+    # router.weight (group resid) just has no layer to record on a dense model
+    if any(BY_NAME[o].group == "router" for o in args.dmi_hooks) and not args.num_experts:
         _fail("--dmi-hooks", "router outputs need a MoE model (--num-experts)")
     beyond = [layer for layer in args.dmi_layers or () if layer >= args.num_layers]
     if beyond:
         _fail("--dmi-layers", f"layer(s) {', '.join(map(str, beyond))} not in this model: --num-layers "
                               f"{args.num_layers} has layers 0-{args.num_layers - 1}")
+    if "logits.full" in args.dmi_hooks and int(os.environ.get("RANK", "0")) == 0:
+        print(f"DMI warning: --dmi-hooks logits.full stores every output logit: {record_bytes('logits.full', shape):,} "
+              "bytes per microbatch per tensor-parallel rank; logits.topk and logits.target are the small views",
+              flush=True)
     largest = max(record_bytes(o, shape) for o in args.dmi_hooks)
     if largest > args.dmi_ring_mb * (1 << 20):
         _fail("--dmi-ring-mb", f"{args.dmi_ring_mb} MiB cannot hold one record of {largest} bytes; use at least "

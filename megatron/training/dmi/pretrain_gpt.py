@@ -97,7 +97,7 @@ def forward_step(data_iterator, model: GPTModel):
     timers("batch-generator", log_level=2).start()
     tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
     timers("batch-generator").stop()
-    output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+    output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)
 
 

@@ -10,7 +10,8 @@ def test_groups_expand_to_their_default_outputs():
 
 def test_opt_in_outputs_by_name_and_all():
     assert catalog.parse_hooks("attn,attn.q,attn.k") == {"attn.context", "attn.q", "attn.k"}
-    assert catalog.parse_hooks("all") == set(catalog.BY_NAME)
+    assert catalog.parse_hooks("all") == set(catalog.BY_NAME) - {"logits.full"}  # named only: vocabulary-sized
+    assert "logits.full" in catalog.parse_hooks("all,logits.full")
     assert catalog.parse_hooks("none") == frozenset()
 
 
@@ -33,3 +34,49 @@ def test_markdown_table_lists_every_output():
     table = catalog.markdown_table()
     for o in catalog.OUTPUTS:
         assert f"`{o.name}`" in table
+
+
+def test_resid_and_mlp_shapes_and_groups():
+    m = catalog.ModelShape(seq_length=32, micro_batch=2, num_experts=8, topk=2, heads=4, query_groups=4,
+                           head_dim=16, hidden=64, tp=2, sequence_parallel=True, model_itemsize=2)
+    assert catalog.BY_NAME["resid.in"].local_shape(m)[0] == (16, 2, 64)  # SP: half the sequence
+    assert catalog.BY_NAME["mlp.out"].local_shape(m)[0] == (16, 2, 64)
+    assert catalog.record_bytes("router.weight", m) == 8 * 64 * 2
+    assert catalog.parse_hooks("resid") == {"resid.in", "resid.out", "router.weight"}
+    assert catalog.parse_hooks("mlp") == {"mlp.out", "mlp.shared"}
+    assert catalog.layers_in_scope("mlp.shared", [0, 1, 2], 3, {1, 2}, {2}) == [2]
+
+
+@pytest.mark.parametrize("output,tp,sp,want", [
+    ("router.logits", 2, True, 2), ("router.logits", 2, False, 1), ("attn.context", 2, False, 2),
+    ("resid.in", 2, True, 2), ("resid.in", 2, False, 1), ("router.weight", 2, True, 1),
+])
+def test_producers_per_replica(output, tp, sp, want):
+    assert catalog.producers_per_replica(output, tp, sp) == want
+    assert catalog.producers_per_replica("router.weight", tp, sp, dp_rank0=False) == 0
+
+
+def test_scopes_pick_layers():
+    assert catalog.layers_in_scope("resid.out", [0, 1, 2, 3], 4, {1, 3}) == [3]
+    assert catalog.layers_in_scope("router.weight", [0, 1, 2, 3], 4, {1, 3}) == [1, 3]
+    assert catalog.layers_in_scope("resid.in", [0, 2], 4, {1, 3}) == [0, 2]
+    assert catalog.layers_in_scope("resid.out", [0, 1], 4, set()) == []
+
+
+def test_sizes_table_gives_bytes_per_token():
+    tiny = catalog.SIZE_MODELS["tiny (fp32)"]
+    assert catalog.size_per_token("resid.in", tiny) == 64 * 4  # hidden x fp32
+    assert catalog.size_per_token("router.weight", tiny) == 4 * 64 * 4  # whole [E, h] record
+    assert "| `resid.in` | 256 | 8,192 |" in catalog.markdown_table()
+
+
+def test_logits_and_loss_shapes():
+    m = catalog.ModelShape(seq_length=32, micro_batch=2, num_experts=4, topk=2, heads=4, query_groups=4, head_dim=16,
+                           hidden=64, vocab=256, logits_topk=5, tp=2, sequence_parallel=True)
+    assert catalog.BY_NAME["logits.topk"].local_shape(m)[0] == (32, 2, 5, 2)  # the full sequence under SP
+    assert catalog.BY_NAME["logits.target"].local_shape(m)[0] == (32, 2, 3)
+    assert catalog.BY_NAME["logits.full"].local_shape(m)[0] == (32, 2, 128)  # vocabulary shard
+    assert catalog.BY_NAME["loss.token"].local_shape(m)[0] == (32, 2, 2)
+    assert catalog.producers_per_replica("loss.token", 2, True) == 1
+    assert catalog.producers_per_replica("logits.topk", 2, True) == 2
+    assert catalog.parse_hooks("logits") == {"logits.topk", "logits.target"}

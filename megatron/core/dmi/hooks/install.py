@@ -2,19 +2,30 @@
 
 Router: the TopKRouter instance's ``routing`` is wrapped (its inputs are the gating logits, its
 outputs the post-drop selection). Attention: a forward hook on ``self_attention.core_attention``
-sees post-RoPE query/key (inputs) and the context (output). Every site knows its global layer and
+sees post-RoPE query/key (inputs) and the context (output). Residual stream: a forward pre-hook on
+each layer's ``input_layernorm`` (IdentityOp when the norm is fused into the QKV projection) sees
+the layer input, one on the block's ``final_layernorm`` the last layer's output, and a pre-hook on
+the block publishes its routers' weights once per iteration. MLP: a forward hook on ``mlp``. Loss:
+a forward hook on the language model (GPTModel) given labels. The
+sub-module sites sit inside the layer, so they fire inside a layer's CUDA graph and inside
+activation recompute like the router and attention sites do. Every site knows its global layer and
 its rank's parallel coordinates; the Capture decides per firing whether a record is made.
+
+Each catalog group has one site function below (``_LAYER_SITES``, ``_BLOCK_SITES``, ``_MODEL_SITES``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from megatron.core import parallel_state as ps
+from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.core.dmi import catalog
@@ -65,18 +76,21 @@ class HookSet:
             self._stack.enter_context(router_capture.pre_drop_visible())
 
     def attach(self, chunk: torch.nn.Module, vpp: int = 0) -> None:
-        """Attach DMI to every transformer layer of one (virtual pipeline) model chunk."""
+        """Attach DMI to one (virtual pipeline) model chunk: its language model, transformer block and
+        transformer layers, each with the site functions of the selected groups."""
         coords = rank_coords(vpp=vpp)
         for module in chunk.modules():
-            if not isinstance(module, TransformerLayer):
+            if isinstance(module, LanguageModule):
+                sites = _MODEL_SITES
+            elif isinstance(module, TransformerBlock):
+                sites = _BLOCK_SITES
+            elif isinstance(module, TransformerLayer):
+                sites = _LAYER_SITES
+            else:
                 continue
-            layer = module.layer_number - 1
-            router = getattr(getattr(module, "mlp", None), "router", None)
-            if "router" in self._groups and isinstance(router, TopKRouter):
-                _router_site(self, router, layer, coords)
-            core_attention = getattr(getattr(module, "self_attention", None), "core_attention", None)
-            if "attn" in self._groups and core_attention is not None:
-                _attention_site(self, core_attention, layer, coords)
+            for group, site in sites.items():
+                if group in self._groups:
+                    site(self, module, coords)
 
     def remove(self) -> None:
         for h in self._handles:
@@ -88,25 +102,58 @@ class HookSet:
         self._wrapped_routers.clear()
 
 
-def _router_site(hooks: HookSet, router: TopKRouter, layer: int, coords: ParallelCoords) -> None:
+@dataclass(frozen=True)
+class TokenShards:
+    """How a TP group holds the tokens of a "sequence" output (catalog.Producers): under sequence
+    parallelism each TP rank holds its own slice; without it every TP rank holds the same rows and
+    TP rank 0 speaks for all."""
+
+    tp: int
+    tp_rank: int
+    sequence_parallel: bool
+
+    @classmethod
+    def of(cls, config, coords: ParallelCoords) -> "TokenShards":
+        tp = tp_size()
+        return cls(tp, coords.tp, bool(config.sequence_parallel) and tp > 1)
+
+    def placement(self, rows: int) -> Placement | None:
+        """Where this rank's ``rows`` token rows sit along dim 0, or None when another rank publishes them."""
+        if self.sequence_parallel:
+            start = self.tp_rank * rows
+            return Placement(start, start + rows, rows * self.tp)
+        return Placement(0, rows, rows) if self.tp_rank == 0 else None
+
+
+def _publish_sequence(hooks: HookSet, layer: int, coords: ParallelCoords, shards: TokenShards, tensors: dict) -> None:
+    """Publish [rows, ...] tensors whose dim 0 is this rank's tokens."""
+    wanted = {o: t for o, t in tensors.items() if hooks.capture.wants(o, layer)}
+    if not wanted:
+        return
+    where = shards.placement(next(iter(wanted.values())).shape[0])
+    if where is not None:
+        with torch.no_grad():
+            hooks.capture.publish_all(layer, coords, where, wanted)
+
+
+def _router_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) -> None:
+    router = getattr(getattr(module, "mlp", None), "router", None)
+    if not isinstance(router, TopKRouter):
+        return
+    layer = module.layer_number - 1
     capture = hooks.capture
-    tp, tp_rank = tp_size(), coords.tp
-    sequence_parallel = bool(router.config.sequence_parallel) and tp > 1
     wanted = catalog.outputs_of_group("router", capture.config.hooks)
     original = router.routing
+    shards = TokenShards.of(router.config, coords)
 
     def routing(logits: torch.Tensor, *args, **kwargs):
         probs, routing_map = original(logits, *args, **kwargs)
         pre = router_capture.take_pre_drop()
-        # Without sequence parallelism every TP rank routes the same tokens: rank 0 speaks for all.
-        if not (sequence_parallel or tp_rank == 0) or not any(capture.wants(o, layer) for o in wanted):
+        flat_logits = logits.reshape(-1, logits.shape[-1])
+        where = shards.placement(flat_logits.shape[0])
+        if where is None or not any(capture.wants(o, layer) for o in wanted):
             return probs, routing_map
         pre_probs, pre_map = pre if pre is not None else (probs, routing_map)
-        flat_logits = logits.reshape(-1, logits.shape[-1])
-        n = flat_logits.shape[0]
-        shards = tp if sequence_parallel else 1
-        start = (tp_rank if sequence_parallel else 0) * n
-        where = Placement(start, start + n, n * shards)
         values: dict[str, Callable[[], torch.Tensor]] = {
             "router.logits": lambda: flat_logits,
             "router.topk_ids": lambda: selection()[0],
@@ -129,7 +176,11 @@ def _router_site(hooks: HookSet, router: TopKRouter, layer: int, coords: Paralle
     hooks.layers.setdefault(layer, []).append("router")
 
 
-def _attention_site(hooks: HookSet, core_attention: torch.nn.Module, layer: int, coords: ParallelCoords) -> None:
+def _attention_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) -> None:
+    core_attention = getattr(getattr(module, "self_attention", None), "core_attention", None)
+    if core_attention is None:
+        return
+    layer = module.layer_number - 1
     capture = hooks.capture
     tp = tp_size()
     wanted = catalog.outputs_of_group("attn", capture.config.hooks)
@@ -147,3 +198,155 @@ def _attention_site(hooks: HookSet, core_attention: torch.nn.Module, layer: int,
 
     hooks._handles.append(core_attention.register_forward_hook(hook, with_kwargs=True))
     hooks.layers.setdefault(layer, []).append("attn")
+
+
+def _resid_in_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) -> None:
+    # The layer's own pre-hook would not fire when megatron-core replays the layer as a CUDA graph;
+    # its input norm is called inside the layer with exactly the hidden states the layer received.
+    layer = module.layer_number - 1
+    shards = TokenShards.of(module.config, coords)
+
+    def hook(norm, args):
+        _publish_sequence(hooks, layer, coords, shards, {"resid.in": args[0]})
+
+    hooks._handles.append(module.input_layernorm.register_forward_pre_hook(hook))
+    hooks.layers.setdefault(layer, []).append("resid")
+
+
+def _mlp_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) -> None:
+    layer = module.layer_number - 1
+    shards = TokenShards.of(module.config, coords)
+
+    def hook(mlp, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        _publish_sequence(hooks, layer, coords, shards, {"mlp.out": out})
+
+    def shared_hook(shared, args, output):
+        _publish_sequence(hooks, layer, coords, shards, {"mlp.shared": output})
+
+    hooks._handles.append(module.mlp.register_forward_hook(hook))
+    shared_experts = getattr(module.mlp, "shared_experts", None)
+    if shared_experts is not None:
+        hooks._handles.append(shared_experts.register_forward_hook(shared_hook))
+    hooks.layers.setdefault(layer, []).append("mlp")
+
+
+def _resid_block_site(hooks: HookSet, block: TransformerBlock, coords: ParallelCoords) -> None:
+    """resid.out at the final norm of the block holding the model's last layer, and router.weight of
+    the block's MoE layers once per iteration (microbatch 0; TP rank 0 of DP rank 0 publishes: the
+    router weight is replicated over TP, EP and DP)."""
+    capture = hooks.capture
+    last = [m for m in block.layers if m.layer_number == block.config.num_layers]
+    if last:
+        layer = last[0].layer_number - 1
+        shards = TokenShards.of(block.config, coords)
+        if block.final_layernorm is not None:
+            def norm_input(norm, args):
+                _publish_sequence(hooks, layer, coords, shards, {"resid.out": args[0]})
+
+            hooks._handles.append(block.final_layernorm.register_forward_pre_hook(norm_input))
+        else:  # no final norm: the last layer's output is the block's output
+            def layer_output(module, args, output):
+                _publish_sequence(hooks, layer, coords, shards, {"resid.out": output[0]})
+
+            hooks._handles.append(last[0].register_forward_hook(layer_output))
+    routers = {m.layer_number - 1: m.mlp.router for m in block.layers
+               if isinstance(getattr(getattr(m, "mlp", None), "router", None), TopKRouter)}
+    if not routers or coords.tp != 0 or coords.dp != 0:
+        return
+
+    def publish_weights(module, args, kwargs):
+        if capture.step.microbatch != 0:
+            return
+        for layer, router in routers.items():
+            if capture.wants("router.weight", layer):
+                experts = router.weight.shape[0]
+                with torch.no_grad():
+                    capture.publish_all(layer, coords, Placement(0, experts, experts),
+                                        {"router.weight": router.weight.detach()})
+
+    hooks._handles.append(block.register_forward_pre_hook(publish_weights, with_kwargs=True))
+
+
+def _loss_site(hooks: HookSet, model: LanguageModule, coords: ParallelCoords) -> None:
+    """loss.token from the language model's output when it is given labels (its output is then
+    the per-token loss, [b, s]), with the loss_mask the forward step passed; every TP rank holds the
+    same loss (the vocabulary-parallel cross entropy all-reduces), so TP rank 0 publishes."""
+    if not model.post_process or coords.tp != 0:
+        return
+    capture = hooks.capture
+    layer = model.config.num_layers - 1
+
+    def hook(module, args, kwargs, output):
+        if kwargs.get("labels") is None or not capture.wants("loss.token", layer):
+            return
+        with torch.no_grad():
+            loss = output.detach().float().t()
+            mask = kwargs.get("loss_mask")
+            mask = torch.full_like(loss, float("nan")) if mask is None else mask.detach().float().t()
+            loss_and_mask = torch.stack([loss, mask], dim=-1)
+            rows = loss_and_mask.shape[0]
+            capture.publish_all(layer, coords, Placement(0, rows, rows), {"loss.token": loss_and_mask})
+
+    hooks._handles.append(model.register_forward_hook(hook, with_kwargs=True))
+
+
+def _logits_site(hooks: HookSet, model: LanguageModule, coords: ParallelCoords) -> None:
+    """logits.* from the output layer's logits of a forward given labels, published in the output
+    layer's hook: the vocabulary-parallel cross entropy then overwrites the logits in place. The
+    model's pre-hook hands the labels over; the first output-layer call of the forward takes them
+    (start-up refuses these outputs with multi-token prediction, whose heads call it first)."""
+    if not model.post_process:
+        return
+    capture = hooks.capture
+    layer = model.config.num_layers - 1
+    tp = tp_size()
+    wanted = catalog.outputs_of_group("logits", capture.config.hooks)
+    pending: dict[str, torch.Tensor] = {}
+
+    def take_labels(module, args, kwargs):
+        pending.pop("labels", None)
+        if kwargs.get("labels") is not None:
+            pending["labels"] = kwargs["labels"]
+
+    def publish(module, args, output):
+        labels = pending.pop("labels", None)
+        selected = [o for o in wanted if capture.wants(o, layer)]
+        if labels is None or not selected:
+            return
+        logits = output[0] if isinstance(output, tuple) else output
+        with torch.no_grad():
+            values = vocabulary_views(logits.detach(), labels.t(), coords.tp * logits.shape[-1],
+                                      capture.config.logits_topk, selected)
+            rows = logits.shape[0]
+            capture.publish_all(layer, coords, Placement(0, rows, rows, shard_index=coords.tp, shard_count=tp), values)
+
+    hooks._handles.append(model.register_forward_pre_hook(take_labels, with_kwargs=True))
+    hooks._handles.append(model.output_layer.register_forward_hook(publish))
+
+
+def vocabulary_views(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, k: int,
+                     outputs: list[str]) -> dict[str, torch.Tensor]:
+    """The logits.* outputs of one vocabulary shard: logits [s, b, V_local] (ids vocab_start..),
+    labels [s, b] global ids. See catalog.py for each output's layout."""
+    out = {}
+    if "logits.topk" in outputs:
+        top = torch.topk(logits.float(), min(k, logits.shape[-1]), dim=-1)
+        out["logits.topk"] = torch.stack([top.values, (top.indices + vocab_start).float()], dim=-1)
+    if "logits.target" in outputs:
+        shard = logits.float()
+        peak = shard.max(dim=-1).values
+        total = torch.exp(shard - peak.unsqueeze(-1)).sum(dim=-1)
+        local = labels - vocab_start
+        inside = (local >= 0) & (local < shard.shape[-1])
+        label_logit = shard.gather(-1, local.clamp(0, shard.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        label_logit = torch.where(inside, label_logit, torch.full_like(label_logit, float("-inf")))
+        out["logits.target"] = torch.stack([peak, total, label_logit], dim=-1)
+    if "logits.full" in outputs:
+        out["logits.full"] = logits
+    return out
+
+
+_LAYER_SITES = {"router": _router_site, "attn": _attention_site, "resid": _resid_in_site, "mlp": _mlp_site}
+_BLOCK_SITES = {"resid": _resid_block_site}
+_MODEL_SITES = {"loss": _loss_site, "logits": _logits_site}

@@ -7,6 +7,10 @@ layer, output, invocation), following the catalog's combine rule.
   ranges must tile [0, token_total) exactly and every range needs every shard index.
 - ``sum``: records over disjoint token ranges that tile [0, token_total) are added (e.g.
   ``router.expert_counts`` under sequence/context parallelism).
+- ``topk`` and ``log_softmax``: like ``concat``, every token range needs every shard (vocabulary
+  shards under tensor parallelism); the shards merge instead of concatenating: ``topk`` takes the
+  k largest (value, id) pairs of their union (``logits.topk``), ``log_softmax`` combines each
+  shard's (max, sum of exp, label logit) into the label's log-probability (``logits.target``).
 
 Records with equal (token range, shard index) are duplicates: identical ones (replicated producers,
 e.g. TP ranks routing the same tokens) are kept once, differing ones are an error.
@@ -96,7 +100,7 @@ def reconstruct(records: Sequence[Record], output: str | None = None, *, what: s
 
     by_range: dict[tuple[int, int], dict[int, Record]] = defaultdict(dict)
     for (start, end, shard), r in uniq.items():
-        if combine == "concat" and r.key.shape and r.key.shape[0] != end - start:
+        if combine != "sum" and r.key.shape and r.key.shape[0] != end - start:
             raise ReconstructionError(
                 f"{what}: rank {r.key.coords.rank} record covers tokens [{start}, {end}) but has {r.key.shape[0]} rows"
             )
@@ -135,7 +139,9 @@ def reconstruct(records: Sequence[Record], output: str | None = None, *, what: s
                 f"(present from rank(s) {_ranks(shards.values())}){exp(missing[0])}"
             )
         ts = [shards[i].tensor() for i in range(shard_count)]
-        if shard_count > 1:
+        if combine in _MERGES:
+            ts = [_MERGES[combine](ts)]
+        elif shard_count > 1:
             if shard_dim is None:
                 raise ReconstructionError(f"{what}: {shard_count} shards but output {output} has no shard dimension")
             ts = [torch.cat(ts, dim=shard_dim)]
@@ -143,3 +149,27 @@ def reconstruct(records: Sequence[Record], output: str | None = None, *, what: s
     if len(pieces) == 1:
         return pieces[0].clone() if pieces[0].numel() else pieces[0]
     return torch.cat(pieces, dim=0)
+
+
+def merge_topk(shards: list[torch.Tensor]) -> torch.Tensor:
+    """[..., k, 2] (value, id) pairs of each vocabulary shard -> the k largest of their union,
+    largest first, ties by the lower id (values are copied, never recomputed)."""
+    k = shards[0].shape[-2]
+    union = torch.cat(shards, dim=-2)
+    by_id = torch.sort(union[..., 1], dim=-1, stable=True).indices
+    union = union.gather(-2, by_id.unsqueeze(-1).expand_as(union))
+    order = torch.sort(union[..., 0], dim=-1, descending=True, stable=True).indices[..., :k]
+    return union.gather(-2, order.unsqueeze(-1).expand(*order.shape, 2))
+
+
+def merge_log_softmax(shards: list[torch.Tensor]) -> torch.Tensor:
+    """[..., 3] (max logit, sum of exp(logit - max), label logit or -inf) of each vocabulary shard ->
+    [...] fp64 log-probability of the label: label logit - log(sum over shards of sum * exp(max - M)) - M."""
+    parts = torch.stack(shards).double()
+    peak = parts[..., 0].max(dim=0).values
+    total = (parts[..., 1] * torch.exp(parts[..., 0] - peak)).sum(dim=0)
+    label = parts[..., 2].max(dim=0).values
+    return label - peak - torch.log(total)
+
+
+_MERGES = {"topk": merge_topk, "log_softmax": merge_log_softmax}

@@ -16,7 +16,7 @@ SEQ, BATCH, VOCAB, EXPERTS, TOPK = 16, 2, 64, 4, 2
 
 
 def tiny_gpt(num_experts: int = EXPERTS, capacity_factor: float | None = None, num_query_groups: int | None = None,
-             recompute: dict | None = None) -> GPTModel:
+             recompute: dict | None = None, shared_expert_size: int | None = None) -> GPTModel:
     config = TransformerConfig(
         num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
         num_query_groups=num_query_groups, use_cpu_initialization=True,
@@ -24,7 +24,8 @@ def tiny_gpt(num_experts: int = EXPERTS, capacity_factor: float | None = None, n
         moe_expert_capacity_factor=capacity_factor, moe_token_drop_policy="probs",
         moe_router_load_balancing_type="none", add_bias_linear=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        hidden_dropout=0.0, attention_dropout=0.0, **(recompute or {}),
+        hidden_dropout=0.0, attention_dropout=0.0, moe_shared_expert_intermediate_size=shared_expert_size,
+        **(recompute or {}),
     )
     spec = get_gpt_layer_local_spec(num_experts=num_experts)
     return GPTModel(config, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
@@ -40,3 +41,8 @@ def tokens(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def capture_for(hooks: str, ring_mb: float = 8, **config) -> Capture:
     cfg = DMIConfig(hooks=parse_hooks(hooks), ring_mb=ring_mb, **config)
     return Capture(cfg, TorchRingTransport(cfg.ring_bytes, "block", torch.device("cpu")), "test-run", 0)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor's bit patterns, for bitwise comparisons (NaN-safe, -0 distinct from 0)."""
+    return t.contiguous().view(torch.int32)

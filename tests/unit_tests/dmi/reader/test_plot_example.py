@@ -15,7 +15,8 @@ def test_plot_example(tmp_path):
     run_isolated(W.write_embedded, str(tmp_path / "s"), recs, [W.run_info()])
     written = run_isolated(W.run_plot_example, str(tmp_path / "s"), str(tmp_path / "png"))
     names = sorted(os.path.basename(p) for p in written)
-    assert names == ["attention.png", "drop_rate.png", "expert_load.png", "expert_load_over_time.png", "router_entropy.png"]
+    assert names == ["attention.png", "drop_rate.png", "expert_load.png", "expert_load_over_time.png", "hot_experts.png",
+                     "router_entropy.png", "topn_coverage.png"]
     for p in written:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 

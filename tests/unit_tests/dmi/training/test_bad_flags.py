@@ -18,6 +18,10 @@ CASES = {
     "context parallelism": (["--dmi-hooks", "router", "--context-parallel-size", "2"], "--dmi-hooks", "context"),
     "layers beyond the model": (["--dmi-hooks", "router", "--dmi-layers", "1,5"], "--dmi-layers",
                                 "layer(s) 5 not in this model: --num-layers 2 has layers 0-1"),
+    "ring smaller than a residual record": (["--dmi-hooks", "resid", "--dmi-ring-mb", "0.01"], "--dmi-ring-mb",
+                                            "one record of 16384 bytes"),
+    "logits with multi-token prediction": (["--dmi-hooks", "loss,logits", "--mtp-num-layers", "1"], "--dmi-hooks",
+                                           "multi-token prediction"),
 }
 
 

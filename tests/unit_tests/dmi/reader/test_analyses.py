@@ -1,0 +1,171 @@
+"""Routing analyses on the store of a real tiny MoE run (pretrain_gpt.py on the CPU with
+--dmi-hooks router,resid,loss and capacity factor 1.0, so that routes are dropped), checked against
+the same quantities computed with plain torch from the run's independent oracle (plain forward
+hooks on the routers and layers and pretrain_gpt's loss function, tests/functional_tests/
+oracle_launch.py)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.core.dmi.sinks.isolated import run_isolated
+from tests.functional_tests.launch import load_oracle, run_pretrain, tiny_moe_args
+from tests.unit_tests.dmi.sinks import workers as W
+
+ITERATIONS, EXPERTS, TOPK = 3, 4, 2
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("analyses"))
+    store = os.path.join(tmp, "store")
+    run_pretrain(tiny_moe_args() + ["--train-iters", str(ITERATIONS), "--dmi-hooks", "router,resid,loss",
+                                    "--moe-expert-capacity-factor", "1.0", "--dmi-store-dir", store], tmp)
+    return store, load_oracle(tmp)
+
+
+def concentration(store_dir: str, window: int):
+    from megatron.core.dmi.reader import open_store
+    from megatron.core.dmi.reader.analyses import routing_concentration
+
+    with open_store(store_dir) as store:
+        r = routing_concentration(store, window=window)
+    return r.frequency, r.heatmap, r.coverage
+
+
+def predictability(store_dir: str):
+    from megatron.core.dmi.reader import open_store
+    from megatron.core.dmi.reader.analyses import routing_predictability
+
+    with open_store(store_dir) as store:
+        return routing_predictability(store)
+
+
+def _tokens_per_expert(oracle, layer, iterations):
+    """The router's choices before capacity dropping: the top-k of its logits (softmax is monotonic)."""
+    total = torch.zeros(EXPERTS, dtype=torch.long)
+    for (it, mb, l), v in oracle.items():
+        if l == layer and it in iterations:
+            chosen = torch.topk(v["router.logits"], TOPK, dim=-1).indices
+            total += torch.bincount(chosen.reshape(-1), minlength=EXPERTS)
+    return total
+
+
+def _average_ranks(x):
+    """Ranks 1..n, ties sharing their average rank (written out, independent of pandas)."""
+    order = sorted(range(len(x)), key=lambda i: x[i])
+    ranks = [0.0] * len(x)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return np.array(ranks)
+
+
+def test_routing_concentration_matches_the_oracle(run):
+    store, oracle = run
+    frequency, heatmap, coverage = run_isolated(concentration, store, 2)
+    for layer in (0, 1):
+        want = _tokens_per_expert(oracle, layer, range(1, ITERATIONS + 1))
+        got = frequency[frequency.layer == layer].sort_values("expert")
+        assert got["tokens"].tolist() == want.tolist()
+        assert got["share"].sum() == pytest.approx(1.0)
+        shares = np.sort((want / want.sum()).numpy())[::-1]
+        cov = coverage[coverage.layer == layer].sort_values("top_n")
+        assert cov["top_n"].tolist() == [1, 2, 3, 4]
+        assert cov["coverage"].to_numpy() == pytest.approx(np.cumsum(shares))
+        # windows of 2 captured iterations: {1, 2} and {3}
+        for start, end in ((1, 2), (3, 3)):
+            d = heatmap[(heatmap.layer == layer) & (heatmap.window_start == start)].sort_values("expert")
+            assert set(d["window_end"]) == {end}
+            assert d["tokens"].tolist() == _tokens_per_expert(oracle, layer, range(start, end + 1)).tolist()
+
+
+def test_routing_predictability_matches_plain_torch(run):
+    store, oracle = run
+    table = run_isolated(predictability, store)
+    assert sorted(zip(table.iteration, table.layer)) == [(it, 1) for it in range(1, ITERATIONS + 1)]
+    for _, row in table.iterrows():
+        it = row["iteration"]
+        weight = oracle[(it, 0, 1)]["router.weight"]
+        predicted = torch.zeros(EXPERTS, dtype=torch.long)
+        for (i, mb, layer), v in oracle.items():
+            if i == it and layer == 0:
+                logits = v["resid.in"].reshape(-1, v["resid.in"].shape[-1]).float() @ weight.float().T
+                for token in logits:
+                    for e in sorted(range(EXPERTS), key=lambda e: (-float(token[e]), e))[:TOPK]:
+                        predicted[e] += 1
+        actual = _tokens_per_expert(oracle, 1, [it])
+        assert row["predicted"] == predicted.tolist() and row["actual"] == actual.tolist()
+        assert row["topk"] == TOPK and row["tokens"] == 32 * 2 * 2  # seq x micro batch x microbatches
+        p, a = predicted.double().numpy(), actual.double().numpy()
+        assert row["cosine"] == pytest.approx(p @ a / (np.linalg.norm(p) * np.linalg.norm(a)))
+        if len(set(p)) > 1 and len(set(a)) > 1:
+            assert row["spearman"] == pytest.approx(np.corrcoef(_average_ranks(p), _average_ranks(a))[0, 1])
+
+
+def loss_table(store_dir: str):
+    from megatron.core.dmi.reader import open_store
+    from megatron.core.dmi.reader.analyses import loss_vs_routing
+
+    with open_store(store_dir) as store:
+        return loss_vs_routing(store)
+
+
+def test_loss_vs_routing_matches_the_oracle(run):
+    store, oracle = run
+    table = run_isolated(loss_table, store)
+    assert sorted(zip(table.iteration, table.layer)) == [(it, layer) for it in range(1, ITERATIONS + 1) for layer in (0, 1)]
+    assert table["tokens_dropped"].sum() > 0, "capacity factor 1.0 dropped no route"
+    for _, row in table.iterrows():
+        it, layer = row["iteration"], row["layer"]
+        dropped, kept = [], []
+        for (i, mb, l), v in sorted(oracle.items()):
+            if i != it or l != layer:
+                continue
+            loss = oracle[(it, mb, 1)]["loss.token"]  # [s, b, 2], recorded under the last layer
+            lost_a_route = v["routing_map"].sum(-1) < TOPK  # [s * b], the router's token order
+            for token, (value, mask) in enumerate(loss.reshape(-1, 2).tolist()):
+                if mask:
+                    (dropped if lost_a_route[token] else kept).append(value)
+        assert (row["tokens_dropped"], row["tokens_kept"]) == (len(dropped), len(kept))
+        for column, values in (("loss_dropped", dropped), ("loss_kept", kept)):
+            if values:
+                assert row[column] == pytest.approx(sum(values) / len(values), rel=1e-12)
+
+
+def test_cli_commands(run):
+    store, _ = run
+    rc, out = run_isolated(W.load_cli, ["routing-concentration", store, "--window", "2"])
+    assert rc == 0, out
+    assert "top-N coverage" in out and "hottest expert per layer, windows of 2" in out
+    rc, out = run_isolated(W.load_cli, ["routing-predictability", store])
+    assert rc == 0, out
+    assert "cosine" in out and "spearman" in out and "per layer (mean over iterations)" in out
+    rc, out = run_isolated(W.load_cli, ["loss-vs-routing", store])
+    assert rc == 0, out
+    assert "loss_dropped" in out and "loss_kept" in out
+
+
+def test_predictability_needs_resid(tmp_path):
+    """A store without resid.in/router.weight gets a one-line error naming what to capture."""
+    recs = W.moe_records(iterations=range(1, 3), layers=(0, 1), experts=4, seed=3)
+    run_isolated(W.write_embedded, str(tmp_path / "s"), recs, [W.run_info()])
+    rc, _ = run_isolated(W.load_cli, ["routing-predictability", str(tmp_path / "s")])
+    assert rc == 2
+
+
+def test_plots(run, tmp_path):
+    store, _ = run
+    written = run_isolated(W.run_plot_example, store, str(tmp_path / "png"))
+    names = sorted(os.path.basename(p) for p in written)
+    assert {"hot_experts.png", "topn_coverage.png", "routing_predictability.png", "loss_vs_routing.png"} <= set(names)
+    for p in written:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
