@@ -51,6 +51,6 @@ def test_wheel_ships_the_training_entry_and_its_console_script(tmp_path):
         entry_points.read_string(z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode())
     assert "megatron/training/dmi/pretrain_gpt.py" in names
     assert dict(entry_points["console_scripts"]) == {
-        "megatron-dmi": "megatron.core.dmi.cli:main",
+        "megatron-dmi": "megatron_dmi:main",
         "megatron-dmi-pretrain-gpt": "megatron.training.dmi.pretrain_gpt:main",
     }
