@@ -49,7 +49,7 @@ def test_wheel_ships_the_training_entry_and_its_console_script(tmp_path):
         names = z.namelist()
         entry_points = configparser.ConfigParser()
         entry_points.read_string(z.read(next(n for n in names if n.endswith("entry_points.txt"))).decode())
-    assert "megatron/training/dmi/pretrain_gpt.py" in names
+    assert "megatron/training/dmi/pretrain_gpt.py" in names and "megatron_dmi/__init__.py" in names
     assert dict(entry_points["console_scripts"]) == {
         "megatron-dmi": "megatron_dmi:main",
         "megatron-dmi-pretrain-gpt": "megatron.training.dmi.pretrain_gpt:main",
