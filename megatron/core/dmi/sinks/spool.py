@@ -22,32 +22,46 @@ idempotent by that id, whatever the file is called.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
+import socket
 import struct
 import threading
+import time
 import uuid
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, RecordKey, descriptor_table, table_nbytes
+from megatron.core.dmi.records import (
+    DESCRIPTOR_COLUMNS,
+    PHASES,
+    Firing,
+    RecordKey,
+    descriptor_table,
+    table_nbytes,
+)
 from megatron.core.dmi.sinks import schema as S
 
 SEGMENT_RE = re.compile(r"^(?:(?P<kind>[a-z_]+)-(?P<mseq>\d{8})\.parquet|(?P<seq>\d{8})\.(?P<ext>parquet|dmiraw))$")
 RAW_EXT = "dmiraw"
 RAW_NAME_RE = re.compile(r"^(\d{8})\.dmiraw$")
-RAW_MAGIC, SITE_MAGIC, RECS_MAGIC = b"DMIRAW01", b"DMISITE1", b"DMIRECS1"
+# Raw segment format 2 (docs/storage.md); format 1 had no CRC over keys and no footer.
+RAW_MAGIC, SITE_MAGIC, RECS_MAGIC, END_MAGIC = b"DMIRAW02", b"DMISITE2", b"DMIRECS2", b"DMIEND02"
+OLD_RAW_MAGIC = b"DMIRAW01"
 RANK_DIR_RE = re.compile(r"^rank-(?P<rank>\d{5,})$")
 META_ID = b"dmi.segment_id"
 META_KIND = b"dmi.kind"
 META_VERSION = b"dmi.schema_version"
 META_RANK = b"dmi.rank"
 META_RUN = b"dmi.run_id"
+META_ROWS = b"dmi.rows"  # a Parquet segment's row count, checked on read (with its page CRCs)
 
 # Columns small enough to profit from dictionary encoding in Parquet; payload never does.
 _DICT_COLUMNS = ["run_id", "phase", "output", "dtype", "reason", "hostname", "sink"]
@@ -55,6 +69,56 @@ _DICT_COLUMNS = ["run_id", "phase", "output", "dtype", "reason", "hostname", "si
 
 class CorruptSegmentError(RuntimeError):
     pass
+
+
+class StoreInUseError(SystemExit):
+    """Another live process writes this rank's spool folder (a second run on the same
+    ``--dmi-store-dir``). A SystemExit, so the run stops at start-up with this one line and no
+    traceback, before it writes anything."""
+
+
+_owned: dict[str, list] = {}  # rank folder -> [lock fd, users] held by this process
+_owned_lock = threading.Lock()
+
+
+def claim_rank_dir(folder: str, run_id: str) -> None:
+    """Make this process the one writer of ``folder`` for as long as it holds the claim (another
+    process's spool writer would delete or overwrite our open segments); StoreInUseError names
+    the holder. Claims by one process nest (``release_rank_dir`` once per claim)."""
+    folder = os.path.realpath(folder)
+    with _owned_lock:
+        if folder in _owned:
+            _owned[folder][1] += 1
+            return
+        os.makedirs(folder, exist_ok=True)
+        # Beside the folder, not in it: the folder empties as the ingester consumes it.
+        lock = os.path.join(os.path.dirname(folder), f".{os.path.basename(folder)}.owner.lock")
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown process"
+            os.close(fd)
+            store = os.path.dirname(os.path.dirname(folder))
+            raise StoreInUseError(
+                f"error: --dmi-store-dir {store} is in use by another DMI run ({holder}); two runs cannot share "
+                f"a store directory: give this run its own --dmi-store-dir, or wait for that run to end") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, run {run_id or '?'}, since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)
+        _owned[folder] = [fd, 1]
+
+
+def release_rank_dir(folder: str) -> None:
+    folder = os.path.realpath(folder)
+    with _owned_lock:
+        held = _owned.get(folder)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] == 0:
+            del _owned[folder]
+            os.close(held[0])  # drops the flock
 
 
 def rank_dir(spool_root: str, rank: int) -> str:
@@ -99,7 +163,8 @@ class SpoolWriter:
         if self._dir_ready:
             return
         os.makedirs(self.dir, exist_ok=True)
-        # This folder belongs to this rank alone: a temporary file here is a leftover of a crash.
+        # This folder belongs to this rank of this process alone (claim_rank_dir): a temporary
+        # file here is a leftover of a crash.
         # Continue numbering after every segment already present (a resumed attempt may share it).
         top = 0
         for name in os.listdir(self.dir):
@@ -122,7 +187,7 @@ class SpoolWriter:
             self._prepare()
         top = max((int(m.group(1)) for m in map(RAW_NAME_RE.match, os.listdir(self.dir)) if m), default=0)
         header = {"kind": "tensors", "schema_version": S.SCHEMA_VERSION, "rank": self.rank, "run_id": self.run_id,
-                  "writer_id": uuid.uuid4().hex}
+                  "writer_id": uuid.uuid4().hex, "first_seq": top + 1}  # segment numbers then run without gaps
         return {"directory": self.dir, "first_seq": top + 1, "header": header, "segment_bytes": segment_bytes}
 
     def adopt(self, path: str, rows: int) -> None:
@@ -146,7 +211,7 @@ class SpoolWriter:
         meta = dict(table.schema.metadata or {})
         meta.update({META_ID: uuid.uuid4().hex.encode(), META_KIND: kind.encode(),
                      META_VERSION: str(S.SCHEMA_VERSION).encode(), META_RANK: str(self.rank).encode(),
-                     META_RUN: self.run_id.encode()})
+                     META_RUN: self.run_id.encode(), META_ROWS: str(table.num_rows).encode()})
         table = table.replace_schema_metadata(meta)
         try:
             pq.write_table(
@@ -160,6 +225,7 @@ class SpoolWriter:
                 use_dictionary=[c for c in _DICT_COLUMNS if c in table.schema.names],
                 write_statistics=[c for c in table.schema.names if c != "payload"],
                 row_group_size=max(1, min(table.num_rows, 8192)),
+                write_page_checksum=True,  # every page, keys included, verifies on read
             )
             if durable:
                 _fsync_path(tmp)
@@ -265,19 +331,65 @@ def peek_segment_id(seg: Segment) -> str:
     return segment_id_of(seg, md)
 
 
+@dataclass(frozen=True)
+class Quarantined:
+    """A record (``row``: its index in the segment) or a part of a segment (``row`` -1) that did not
+    verify; ``key`` holds whatever of its key could still be trusted."""
+
+    row: int
+    reason: str
+    key: dict
+
+
+@dataclass
+class VerifiedSegment:
+    """What a segment holds that verified (``table``), what did not (``quarantined``), and what is
+    wrong with the segment as a whole (``problems``: a damaged block, a missing footer ...)."""
+
+    table: pa.Table
+    quarantined: list[Quarantined]
+    problems: list[str]
+
+    @property
+    def clean(self) -> bool:
+        return not self.quarantined and not self.problems
+
+    def summary(self, path: str) -> str:
+        parts = self.problems + [f"{len(self.quarantined)} record(s) quarantined ({self.quarantined[0].reason}"
+                                 + (", ..." if len(self.quarantined) > 1 else "") + ")"] * bool(self.quarantined)
+        return f"{path}: " + "; ".join(parts) + f"; {self.table.num_rows} verified record(s) kept"
+
+
+_HEAD = struct.Struct("<8sQQQ")  # magic, a, b, crc of every block of a format-2 raw segment
+
+
+def _block_crc_ok(buf, pos: int, body_len: int, crc: int) -> bool:
+    mem = memoryview(buf)
+    return zlib.crc32(mem[pos + _HEAD.size : pos + _HEAD.size + body_len], zlib.crc32(mem[pos : pos + 24])) == crc
+
+
 def _raw_header(path: str) -> tuple[dict, int]:
-    """A raw segment's header (with its ``seq``) and where its first block starts."""
+    """A raw segment's header (with its ``seq`` and block ``crc``) and where its first block starts."""
     try:
         with open(path, "rb") as f:
-            head = f.read(24)
-            magic, seq, n = struct.unpack("<8sQQ", head) if len(head) == 24 else (b"", 0, 0)
+            head = f.read(_HEAD.size)
+            magic, seq, n, crc = _HEAD.unpack(head) if len(head) == _HEAD.size else (head[:8], 0, 0, 0)
+            if magic == OLD_RAW_MAGIC:
+                raise CorruptSegmentError(
+                    f"{path}: raw segment of format 1 (written before megatron-dmi checksummed keys); this "
+                    f"release reads format 2 only: load it with the release that wrote it")
             if magic != RAW_MAGIC:
                 raise CorruptSegmentError(f"{path}: not a DMI raw segment (bad magic)")
-            header = json.loads(f.read(n))
+            if n > 1 << 24:
+                raise CorruptSegmentError(f"{path}: damaged raw segment header (length {n})")
+            body = f.read(n + (-n) % 8)
+        if zlib.crc32(body, zlib.crc32(head[:24])) != crc:
+            raise CorruptSegmentError(f"{path}: damaged raw segment header (CRC mismatch)")
+        header = json.loads(body[:n])
     except (OSError, ValueError) as e:
         raise CorruptSegmentError(f"{path}: unreadable raw segment header ({type(e).__name__}: {e})") from None
-    header["seq"] = seq
-    return header, 24 + n + (-n) % 8
+    header["seq"], header["crc"] = seq, crc
+    return header, _HEAD.size + n + (-n) % 8
 
 
 def _raw_segment_id(header: dict) -> str:
@@ -285,8 +397,55 @@ def _raw_segment_id(header: dict) -> str:
     return f"{header.get('writer_id', 'raw')}-{header['seq']}"
 
 
-def read_raw_segment(path: str) -> pa.Table:
-    """A ``.dmiraw`` segment as the tensor table; the payload column views the memory-mapped file."""
+def raw_numbering(seg: Segment) -> tuple[str, int, int]:
+    """(writer id, segment number, the writer's first number) from a raw segment's header."""
+    header = _raw_header(seg.path)[0]
+    return header.get("writer_id", "raw"), header["seq"], int(header.get("first_seq", header["seq"]))
+
+
+def raw_writer_of(segment_id: str) -> tuple[str, int] | None:
+    """(writer id, segment number) of a raw segment's id; None for other ids."""
+    writer, _, seq = segment_id.rpartition("-")
+    return (writer, int(seq)) if writer and seq.isdigit() else None
+
+
+def _row_key(sites: dict, row: np.ndarray) -> dict:
+    d = dict(zip(DESCRIPTOR_COLUMNS, (int(v) for v in row)))
+    site = sites.get(d["site"])
+    key = {k: v for k, v in site.flat().items() if k not in Firing._fields} if site else {}
+    key.update({k: d[k] for k in ("iteration", "microbatch", "attempt", "invocation")})
+    key["phase"] = PHASES[d["phase"]] if d["phase"] < len(PHASES) else f"#{d['phase']}"
+    return key
+
+
+def _records_block(sites: dict, rows: np.ndarray, data: pa.Buffer, first_row: int,
+                   quarantined: list[Quarantined]) -> pa.Table | None:
+    """The verified records of one records block; the others go to ``quarantined``."""
+    nbytes = rows[:, DESCRIPTOR_COLUMNS.index("nbytes")]
+    ends = np.cumsum(nbytes)
+    good = np.ones(len(rows), dtype=bool)
+    mem = memoryview(data)
+    for i, row in enumerate(rows):
+        site, phase, crc = (int(row[DESCRIPTOR_COLUMNS.index(c)]) for c in ("site", "phase", "crc32"))
+        why = ("site undefined in this segment" if site not in sites else
+               f"phase word {phase} out of range" if phase >= len(PHASES) else
+               "payload CRC mismatch" if zlib.crc32(mem[int(ends[i] - nbytes[i]) : int(ends[i])]) != crc else None)
+        if why:
+            good[i] = False
+            quarantined.append(Quarantined(first_row + i, why, _row_key(sites, row)))
+    if not good.any():
+        return None
+    stand_in = rows.copy()  # a table of every row (payloads stay back to back), then the good ones
+    stand_in[~good, DESCRIPTOR_COLUMNS.index("site")] = next(iter(sites))
+    stand_in[~good, DESCRIPTOR_COLUMNS.index("phase")] = 0
+    table = descriptor_table(sites, stand_in, data)
+    return table if good.all() else table.filter(pa.array(good))
+
+
+def verify_raw_segment(path: str) -> VerifiedSegment:
+    """Read a ``.dmiraw`` segment, checking every block CRC, every payload CRC and the footer's
+    totals. Records that verify are returned (the payload column views the memory-mapped file);
+    the rest are quarantined. Raises CorruptSegmentError only when the header itself is bad."""
     header, pos = _raw_header(path)
     if header.get("schema_version") != S.SCHEMA_VERSION:
         raise CorruptSegmentError(f"{path}: raw segment of schema version {header.get('schema_version')}, "
@@ -294,31 +453,71 @@ def read_raw_segment(path: str) -> pa.Table:
     buf = pa.memory_map(path).read_buffer()
     words = len(DESCRIPTOR_COLUMNS)
     sites: dict[int, RecordKey] = {}
-    tables = []
-    try:
-        while pos < buf.size:
-            magic, a, b = struct.unpack_from("<8sQQ", buf, pos)
-            pos += 24
-            if magic == SITE_MAGIC:
-                sites[a] = RecordKey.from_flat(json.loads(buf.slice(pos, b).to_pybytes()))
-                pos += b + (-b) % 8
-            elif magic == RECS_MAGIC:
-                rows = np.frombuffer(buf, dtype=np.uint64, count=a * words, offset=pos).reshape(a, words)
-                pos += a * words * 8
-                if pos + b > buf.size:
-                    raise ValueError("payload runs past the end of the file")
-                tables.append(descriptor_table(sites, rows, buf.slice(pos, b)))  # KeyError: undefined site
-                pos += b + (-b) % 8
-            else:
-                raise ValueError(f"unknown block {magic!r} at byte {pos - 24}")
-    except (ValueError, KeyError, struct.error, json.JSONDecodeError) as e:
-        raise CorruptSegmentError(f"{path}: damaged raw segment ({type(e).__name__}: {e})") from None
+    tables, quarantined, problems = [], [], []
+    crcs = [header["crc"]]
+    rows_seen = payload_seen = 0
+    footer = None
+    while pos < buf.size and footer is None:
+        if pos + _HEAD.size > buf.size:
+            problems.append(f"cut short: {buf.size - pos} stray byte(s) at byte {pos}")
+            break
+        magic, a, b, crc = _HEAD.unpack_from(buf, pos)
+        body_len = {SITE_MAGIC: b + (-b) % 8, RECS_MAGIC: a * words * 8, END_MAGIC: 16}.get(magic)
+        if body_len is None or pos + _HEAD.size + body_len > buf.size or not _block_crc_ok(buf, pos, body_len, crc):
+            what = "unknown block" if body_len is None else "block fails its CRC or runs past the end"
+            problems.append(f"damaged at byte {pos} ({what}); the {buf.size - pos} byte(s) from there are not read")
+            quarantined.append(Quarantined(-1, f"unreadable from byte {pos}", {}))
+            break
+        crcs.append(crc)
+        body = pos + _HEAD.size
+        if magic == SITE_MAGIC:
+            try:
+                sites[a] = RecordKey.from_flat(json.loads(buf.slice(body, b).to_pybytes()))
+            except (ValueError, KeyError, TypeError) as e:  # CRC-clean, so a writer bug, but never fatal
+                problems.append(f"site {a} at byte {pos} undecodable ({type(e).__name__}: {e})")
+        elif magic == RECS_MAGIC:
+            rows = np.frombuffer(buf, dtype=np.uint64, count=a * words, offset=body).reshape(a, words)
+            data_at = body + body_len
+            if data_at + b > buf.size or int(rows[:, DESCRIPTOR_COLUMNS.index("nbytes")].sum()) != b:
+                reason = "payloads cut short" if data_at + b > buf.size else "payload sizes disagree with the block"
+                problems.append(f"records block at byte {pos}: {reason}")
+                quarantined.extend(Quarantined(rows_seen + i, reason, _row_key(sites, r)) for i, r in enumerate(rows))
+                rows_seen += a
+                payload_seen += b
+                break
+            t = _records_block(sites, rows, buf.slice(data_at, b), rows_seen, quarantined)
+            if t is not None:
+                tables.append(t)
+            rows_seen += a
+            payload_seen += b
+            body_len += b + (-b) % 8
+        else:
+            footer = (a, b, *struct.unpack_from("<QQ", buf, body))
+        pos = body + body_len
+    if footer is None and not problems:
+        problems.append(f"no footer: the segment was cut short after {rows_seen} record(s)")
+    elif footer is not None:
+        chain = zlib.crc32(np.array(crcs[:-1], dtype=np.uint64).tobytes())
+        if footer != (rows_seen, payload_seen, len(crcs) - 1, chain):
+            problems.append(f"footer counts {footer[0]} record(s) in {footer[2]} block(s), the segment holds "
+                            f"{rows_seen} in {len(crcs) - 1}: blocks are missing")
+        if pos != buf.size:
+            problems.append(f"{buf.size - pos} byte(s) after the footer")
     meta = {META_ID: _raw_segment_id(header).encode(), META_KIND: b"tensors",
             META_VERSION: str(S.SCHEMA_VERSION).encode(), META_RANK: str(header.get("rank", "")).encode(),
             META_RUN: str(header.get("run_id", "")).encode()}
     schema = S.KIND_SCHEMAS["tensors"]
     table = pa.concat_tables(tables) if tables else schema.empty_table()
-    return table.replace_schema_metadata(meta)
+    return VerifiedSegment(table.replace_schema_metadata(meta), quarantined, problems)
+
+
+def read_raw_segment(path: str) -> pa.Table:
+    """A whole, intact ``.dmiraw`` segment as the tensor table; CorruptSegmentError if any part of
+    it does not verify (``verify_raw_segment`` keeps the parts that do)."""
+    v = verify_raw_segment(path)
+    if not v.clean:
+        raise CorruptSegmentError("damaged raw segment " + v.summary(path))
+    return v.table
 
 
 def segment_rows_bytes(seg: Segment) -> tuple[int, int]:
@@ -339,10 +538,12 @@ def read_segment(seg: Segment) -> pa.Table:
         return read_raw_segment(seg.path)
     expected = S.KIND_SCHEMAS[seg.kind]
     try:
-        table = pq.read_table(seg.path)
+        table = pq.read_table(seg.path, page_checksum_verification=True)
     except Exception as e:
         raise CorruptSegmentError(f"{seg.path}: cannot read ({type(e).__name__}: {e})") from None
     md = table.schema.metadata or {}
+    if META_ROWS in md and int(md[META_ROWS]) != table.num_rows:
+        raise CorruptSegmentError(f"{seg.path}: holds {table.num_rows} rows, its metadata says {int(md[META_ROWS])}")
     version = md.get(META_VERSION)
     if version is not None and int(version) != S.SCHEMA_VERSION:
         raise CorruptSegmentError(
@@ -357,7 +558,38 @@ def read_segment(seg: Segment) -> pa.Table:
     return table
 
 
+def _payload_checks(table: pa.Table) -> np.ndarray:
+    """True for each row of a tensor table whose payload matches its ``checksum``."""
+    ok = np.empty(table.num_rows, dtype=bool)
+    want = table.column("checksum").to_numpy()
+    i = 0
+    for chunk in table.column("payload").chunks:
+        offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int64, count=len(chunk) + 1, offset=chunk.offset * 8)
+        data = memoryview(chunk.buffers()[2]) if chunk.buffers()[2] is not None else memoryview(b"")
+        for j in range(len(chunk)):
+            ok[i] = zlib.crc32(data[offsets[j] : offsets[j + 1]]) == want[i]
+            i += 1
+    return ok
+
+
+def verify_segment(seg: Segment) -> VerifiedSegment:
+    """A segment's records that verify (every CRC, the totals) and the ones that do not; raises
+    CorruptSegmentError when nothing in it can be trusted (bad header, unreadable Parquet)."""
+    if seg.raw:
+        return verify_raw_segment(seg.path)
+    table = read_segment(seg)
+    if seg.kind != "tensors" or table.num_rows == 0:
+        return VerifiedSegment(table, [], [])
+    ok = _payload_checks(table)
+    if ok.all():
+        return VerifiedSegment(table, [], [])
+    keys = table.drop_columns(["payload", "nbytes", "checksum", "shape"]).filter(pa.array(~ok)).to_pylist()
+    bad = [Quarantined(int(i), "payload CRC mismatch", k) for i, k in zip(np.flatnonzero(~ok), keys)]
+    return VerifiedSegment(table.filter(pa.array(ok)), bad, [])
+
+
 __all__ = [
     "SpoolWriter", "Segment", "list_segments", "read_segment", "read_raw_segment", "segment_rows_bytes",
-    "peek_segment_id", "CorruptSegmentError", "rank_dir",
+    "peek_segment_id", "CorruptSegmentError", "rank_dir", "StoreInUseError", "claim_rank_dir", "release_rank_dir", "verify_segment", "verify_raw_segment",
+    "VerifiedSegment", "Quarantined",
 ]
