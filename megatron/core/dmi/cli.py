@@ -37,9 +37,10 @@ def _open(args):
 
     store = open_store(args.store, database=args.database, progress=sys.stderr.isatty())
     r = store.ingest_result
-    if r.segments_loaded or r.segments_corrupt:
+    if r.segments_loaded or r.segments_corrupt or r.errors:
         print(f"(loaded {r.segments_loaded} leftover spool segment(s), {r.records} record(s)"
-              + (f"; {r.segments_corrupt} corrupt segment(s) skipped" if r.segments_corrupt else "") + ")")
+              + (f"; {r.segments_corrupt} corrupt segment(s) skipped" if r.segments_corrupt else "")
+              + (f"; {r.records_quarantined} record(s) quarantined" if r.records_quarantined else "") + ")")
         for e in r.errors:
             print(f"  ! {e}")
     return store
@@ -200,10 +201,12 @@ def cmd_load(args) -> int:
     with open_store(target, database=args.database, progress=sys.stderr.isatty()) as store:
         r = store.load(src, delete=args.delete, progress=sys.stderr.isatty())
     print(f"loaded {r.segments_loaded} segment(s): {r.records} record(s), {_fmt_bytes(r.payload_bytes)} of payload; "
-          f"{r.segments_skipped} already present, {r.segments_corrupt} corrupt")
+          f"{r.segments_skipped} already present, {r.segments_corrupt} corrupt, {r.segments_partial} partly "
+          f"quarantined ({r.records_quarantined} record(s) in dmi.quarantine), {r.segments_unverified} not verified, "
+          f"{len(r.missing_segments)} missing")
     for e in r.errors:
         print(f"  ! {e}")
-    return 1 if r.segments_corrupt else 0
+    return 1 if r.errors else 0
 
 
 def cmd_export(args) -> int:

@@ -293,7 +293,7 @@ def ingest_spool(
         problems = "" if v.clean else v.summary(seg.path)
         if problems:
             res.records_quarantined += sum(q.row >= 0 for q in v.quarantined)
-            res.note(f"spool segment partly quarantined: {problems}")
+            res.note(f"spool segment failed verification: {problems}")
             _record_quarantine(backend, seg, sid, spool_root, v)
         if v.table.num_rows == 0:
             res.segments_corrupt += 1

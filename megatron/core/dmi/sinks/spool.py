@@ -355,8 +355,10 @@ class VerifiedSegment:
         return not self.quarantined and not self.problems
 
     def summary(self, path: str) -> str:
-        parts = self.problems + [f"{len(self.quarantined)} record(s) quarantined ({self.quarantined[0].reason}"
-                                 + (", ..." if len(self.quarantined) > 1 else "") + ")"] * bool(self.quarantined)
+        records = [q for q in self.quarantined if q.row >= 0]
+        parts = list(self.problems)
+        if records:
+            parts.append(f"{len(records)} record(s) quarantined ({records[0].reason}" + (", ..." if len(records) > 1 else "") + ")")
         return f"{path}: " + "; ".join(parts) + f"; {self.table.num_rows} verified record(s) kept"
 
 
@@ -366,6 +368,29 @@ _HEAD = struct.Struct("<8sQQQ")  # magic, a, b, crc of every block of a format-2
 def _block_crc_ok(buf, pos: int, body_len: int, crc: int) -> bool:
     mem = memoryview(buf)
     return zlib.crc32(mem[pos + _HEAD.size : pos + _HEAD.size + body_len], zlib.crc32(mem[pos : pos + 24])) == crc
+
+
+def _covered_len(magic: bytes, a: int, b: int) -> int | None:
+    """Bytes after a block's head that its CRC covers (payloads are not: they have their own)."""
+    return {SITE_MAGIC: b + (-b) % 8, RECS_MAGIC: a * len(DESCRIPTOR_COLUMNS) * 8, END_MAGIC: 16}.get(magic)
+
+
+def _resync(buf, pos: int) -> int | None:
+    """Where reading may go on after the damaged block at ``pos``: the end its head claims, if a
+    block that verifies starts there (a flipped bit in the body leaves the lengths intact); None
+    when nothing after it can be trusted."""
+    magic, a, b, _ = _HEAD.unpack_from(buf, pos)
+    covered = _covered_len(magic, a, b)
+    if covered is None:
+        return None
+    nxt = pos + _HEAD.size + covered + ((b + (-b) % 8) if magic == RECS_MAGIC else 0)
+    if nxt + _HEAD.size > buf.size:
+        return None
+    m2, a2, b2, crc2 = _HEAD.unpack_from(buf, nxt)
+    covered2 = _covered_len(m2, a2, b2)
+    if covered2 is None or nxt + _HEAD.size + covered2 > buf.size or not _block_crc_ok(buf, nxt, covered2, crc2):
+        return None
+    return nxt
 
 
 def _raw_header(path: str) -> tuple[dict, int]:
@@ -462,12 +487,20 @@ def verify_raw_segment(path: str) -> VerifiedSegment:
             problems.append(f"cut short: {buf.size - pos} stray byte(s) at byte {pos}")
             break
         magic, a, b, crc = _HEAD.unpack_from(buf, pos)
-        body_len = {SITE_MAGIC: b + (-b) % 8, RECS_MAGIC: a * words * 8, END_MAGIC: 16}.get(magic)
+        body_len = _covered_len(magic, a, b)
         if body_len is None or pos + _HEAD.size + body_len > buf.size or not _block_crc_ok(buf, pos, body_len, crc):
-            what = "unknown block" if body_len is None else "block fails its CRC or runs past the end"
-            problems.append(f"damaged at byte {pos} ({what}); the {buf.size - pos} byte(s) from there are not read")
-            quarantined.append(Quarantined(-1, f"unreadable from byte {pos}", {}))
-            break
+            resume = _resync(buf, pos)
+            end = buf.size if resume is None else resume
+            problems.append(f"damaged block at byte {pos}: bytes {pos}-{end} not read")
+            quarantined.append(Quarantined(-1, f"bytes {pos}-{end} fail their CRC", {}))
+            if resume is None:
+                break
+            crcs.append(crc)  # the footer still counts the block
+            if magic == RECS_MAGIC:  # its records are counted, and lost, with the range above
+                rows_seen += a
+                payload_seen += b
+            pos = resume
+            continue
         crcs.append(crc)
         body = pos + _HEAD.size
         if magic == SITE_MAGIC:

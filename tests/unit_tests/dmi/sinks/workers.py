@@ -254,3 +254,23 @@ def ingest_while_running(store_dir: str) -> dict:
     loaded = sink.ingester.result.segments_loaded
     rep = sink.close()
     return {"emptied": emptied, "loaded_before_close": loaded, "report": dataclasses.asdict(rep)}
+
+
+def ingest_and_count(store_dir: str, spool: str, env: dict | None = None) -> dict:
+    """``ingest_spool`` (deleting what it loads) into the chDB store under ``store_dir``; returns
+    its result and, by plain SQL, the stored tensors, quarantine rows and segment rows."""
+    from megatron.core.dmi.sinks import ChdbBackend
+    from megatron.core.dmi.sinks.ingest import ingest_spool
+
+    os.environ.update(env or {})
+    b = ChdbBackend(os.path.join(store_dir, "chdb"))
+    try:
+        b.ensure_schema()
+        r = ingest_spool(b, spool, delete=True)
+        q = lambda sql: b.query_arrow(sql).to_pylist()  # noqa: E731
+        return {"result": dataclasses.asdict(r),
+                "tensors": q("SELECT phase, iteration, microbatch, layer, payload FROM dmi.tensors FINAL"),
+                "quarantine": q("SELECT row, reason, iteration FROM dmi.quarantine ORDER BY row"),
+                "segments": q("SELECT status, rows FROM dmi.segments WHERE kind = 'tensors'")}
+    finally:
+        b.close()
