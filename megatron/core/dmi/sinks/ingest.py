@@ -208,6 +208,7 @@ def ingest_spool(
     min_free = min_free_bytes()
     segments = list_segments(spool_root, ranks)
     numbering: dict[str, tuple[int, int, set[int]]] = {}  # raw writer -> (first seq, rank, seqs seen)
+    raw_on_disk = {(s.rank, s.seq) for s in segments if s.raw}  # damaged ones too: those are not missing
     pending: dict[str, list[_Pending]] = {}
     pending_bytes: dict[str, int] = {}
 
@@ -310,7 +311,7 @@ def ingest_spool(
             progress(size)
     for kind in list(pending):
         commit(kind)
-    _check_numbering(backend, numbering, res)
+    _check_numbering(backend, numbering, raw_on_disk, res)
     if res.paused:
         res.note(res.paused)
     return res
@@ -338,12 +339,12 @@ def _retire(seg: Segment, keep: bool) -> None:
         pass
 
 
-def _check_numbering(backend: Backend, numbering: dict, res: IngestResult) -> None:
+def _check_numbering(backend: Backend, numbering: dict, on_disk: set[tuple[int, int]], res: IngestResult) -> None:
     """A raw writer numbers its segments without gaps from ``first_seq``: a number neither in the
     spool nor in ``dmi.segments`` is a segment that went missing (deleted before it was loaded).
     A missing last segment cannot be told apart from one never written."""
     for writer, (first, rank, seen) in numbering.items():
-        have = set(seen)
+        have = set(seen) | {seq for r, seq in on_disk if r == rank}
         t = backend.query_arrow(f"SELECT segment_id FROM {backend.t('segments')} WHERE startsWith(segment_id, {{w:String}})",
                                 {"w": writer + "-"})
         have.update(n for _, n in filter(None, map(raw_writer_of, t.column("segment_id").to_pylist())))

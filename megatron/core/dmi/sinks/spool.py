@@ -8,7 +8,10 @@ Layout under a store directory::
 
 ``.dmiraw`` segments come from the native ring's C++ spool writer (csrc/dmi/spool_writer.h: the
 record descriptors and payloads as they left the ring, plus each site's static key); they read
-back as the same tensor table as a Parquet segment. Their numbers count on their own.
+back as the same tensor table as a Parquet segment. Their numbers count on their own. Every
+segment verifies itself (format 2 raw segments: a CRC over every block and a footer with totals,
+docs/storage.md; Parquet: page CRCs and a row count), and ``verify_segment`` separates what
+verifies from what does not.
 
 A segment is written to a hidden temporary name in the same folder and renamed to its final name,
 so a killed process leaves either the whole segment or only a ``.tmp`` file that nothing reads.
