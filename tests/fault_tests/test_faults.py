@@ -5,6 +5,7 @@ back through the real reader, in its own process) and the report the run printed
 Every run captures ``router`` (4 outputs) on 2 layers x 2 microbatches: 16 records an iteration.
 """
 
+import contextlib
 import glob
 import json
 import os
@@ -233,12 +234,20 @@ def test_tensors_table_renamed_mid_run_spools_reports_and_loses_nothing(tmp_path
 
 
 # -- disk full while spooling -----------------------------------------------------------------------
-def test_disk_full_while_spooling_drops_loudly_and_keeps_what_was_written(tmp_path):
-    tmp = str(tmp_path)
+@contextlib.contextmanager
+def mounted_tmpfs(tmp, size):
+    """``<tmp>/small`` as a tmpfs of ``size`` for the block (the test skips, saying why, where
+    mounting is not permitted)."""
     mnt = os.path.join(tmp, "small")
-    with small_tmpfs(mnt, "1m") as why:
+    with small_tmpfs(mnt, size) as why:
         if why:
             pytest.skip(why)
+        yield mnt
+
+
+def test_disk_full_while_spooling_drops_loudly_and_keeps_what_was_written(tmp_path):
+    tmp = str(tmp_path)
+    with mounted_tmpfs(tmp, "1m") as mnt:
         store = os.path.join(mnt, "store")
         rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-persist", "spool", "--dmi-store-dir", store,
                               "--save", os.path.join(tmp, "ckpt"), "--save-interval", "1", *TORCH_CKPT],
@@ -270,10 +279,7 @@ def test_nearly_full_store_disk_reports_only_what_the_store_holds(tmp_path, marg
     way `written` is what the store holds, the rest waits in the spool, and freeing the disk
     loads every record."""
     tmp = str(tmp_path)
-    mnt = os.path.join(tmp, "small")
-    with small_tmpfs(mnt, "20m") as why:
-        if why:
-            pytest.skip(why)
+    with mounted_tmpfs(tmp, "20m") as mnt:
         store = os.path.join(mnt, "store")
         rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-store-dir", store], fault="disk_full", at=3,
                         env={"DMI_FAULT_FILL_DIR": mnt, "DMI_FAULT_LEAVE_BYTES": str(int(leave * 2**20)),

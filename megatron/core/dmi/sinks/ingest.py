@@ -206,6 +206,17 @@ def ingest_spool(
     if known is None:
         known = known_segment_ids(backend)
     min_free = min_free_bytes()
+
+    def too_full() -> bool:
+        free = backend.free_bytes()
+        if free is not None and free < min_free:
+            res.paused = (f"ingest paused: the store's file system has {free / 2**20:.1f} MiB free, below the "
+                          f"{min_free / 2**20:.0f} MiB margin (${MIN_FREE_ENV}); segments wait in the spool")
+        return bool(res.paused)
+
+    if too_full():  # not even worth reading the segments
+        res.note(res.paused)
+        return res
     segments = list_segments(spool_root, ranks)
     numbering: dict[str, tuple[int, int, set[int]]] = {}  # raw writer -> (first seq, rank, seqs seen)
     raw_on_disk = {(s.rank, s.seq) for s in segments if s.raw}  # damaged ones too: those are not missing
@@ -217,10 +228,7 @@ def ingest_spool(
         pending_bytes.pop(kind, None)
         if not batch:
             return
-        free = backend.free_bytes()
-        if free is not None and free < min_free:
-            res.paused = (f"ingest paused: the store's file system has {free / 2**20:.1f} MiB free, below the "
-                          f"{min_free / 2**20:.0f} MiB margin (${MIN_FREE_ENV}); segments wait in the spool")
+        if too_full():
             return
         tables = [p.table for p in batch]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
