@@ -289,8 +289,8 @@ def ingest_spool(
                     progress(size)
                 continue
             v = verify_segment(seg)
-        except (CorruptSegmentError, OSError) as e:
-            msg = str(e)
+        except Exception as e:  # whatever is wrong with one segment, the ones behind it still load
+            msg = str(e) if isinstance(e, (CorruptSegmentError, OSError)) else f"{seg.path}: {type(e).__name__}: {e}"
             res.segments_corrupt += 1
             res.note(f"corrupt spool segment skipped: {msg}")
             _record_corrupt(backend, seg, spool_root, msg)

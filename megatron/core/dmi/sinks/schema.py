@@ -194,7 +194,7 @@ ORDER_BY: dict[str, tuple[str, ...]] = {
               "invocation", "shard_index", "token_start"),
     "reports": ("run_id", "attempt", "rank", "sink"),
     "segments": ("segment_id",),
-    "quarantine": ("segment_id", "row"),
+    "quarantine": ("segment_id", "row", "reason"),
 }
 
 TABLES = ("tensors", "expert_counts", "runs", "topology", "drops", "reports", "segments", "quarantine")
