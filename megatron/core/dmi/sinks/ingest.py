@@ -187,6 +187,7 @@ def ingest_spool(
     ranks: set[int] | None = None,
     delete: bool = False,
     known: set[str] | None = None,
+    credited: set[str] | None = None,
     max_batch_bytes: int = 256 << 20,
     progress: Callable[[int], None] | None = None,
 ) -> IngestResult:
@@ -200,11 +201,14 @@ def ingest_spool(
     ``dmi.segments`` and, with ``delete``, removed (a partly quarantined one is renamed
     ``*.corrupt`` instead); the others stay for the next pass. No batch is inserted while the
     store's file system has less than ``min_free_bytes()`` free. ``progress(n_bytes)`` is called as
-    segments are consumed.
+    segments are consumed. A tensor segment's records count in ``IngestResult.verified`` once all
+    of them are read back, even if its derived rows were not (it then stays for those), and only
+    once per id in ``credited`` (pass the same set to every pass).
     """
     res = IngestResult()
     if known is None:
         known = known_segment_ids(backend)
+    credited = set() if credited is None else credited
     min_free = min_free_bytes()
 
     def too_full() -> bool:
@@ -248,11 +252,15 @@ def ingest_spool(
             n = p.table.num_rows
             lost = int(missing[start : start + n].sum())
             start += n
+            if kind == "tensors" and not lost and p.sid not in credited:  # its records are in the store
+                credited.add(p.sid)
+                _count_verified(res, p.table, p.seg.rank)
             if lost or derived_missing:
                 res.segments_unverified += 1
-                res.note(f"{p.seg.path}: {lost or n} of {n} row(s) not found in the store after the insert"
-                         + (f" ({derived_missing} derived row(s) missing)" if derived_missing else "")
-                         + "; the segment stays in the spool and is retried")
+                what = (f"{lost} of {n} row(s)" if lost else
+                        f"{derived_missing} derived row(s) of its batch (its own {n} are in)")
+                res.note(f"{p.seg.path}: {what} not found in the store after the insert; the segment stays in "
+                         f"the spool and is retried")
                 continue
             done.append(p)
             for k, v in (("segment_id", p.sid), ("path", os.path.relpath(p.seg.path, spool_root)), ("kind", kind),
@@ -270,7 +278,6 @@ def ingest_spool(
             if kind == "tensors":
                 res.records += p.table.num_rows
                 res.payload_bytes += int(pc.sum(p.table.column("nbytes")).as_py() or 0)
-                _count_verified(res, p.table, p.seg.rank)
             if delete:
                 _retire(p.seg, keep=bool(p.problems))
 
@@ -414,6 +421,7 @@ class IngesterThread:
         self._wake = threading.Event()
         self._pass_lock = threading.Lock()
         self._known: set[str] | None = None
+        self.credited: set[str] = set()  # tensor segments whose records were read back (ingest_spool)
         self._thread: threading.Thread | None = None
         self._finalized = False
         self._paused = False
@@ -467,7 +475,7 @@ class IngesterThread:
                 return IngestResult()
             if self._known is None:
                 self._known = known_segment_ids(self.backend)
-            r = ingest_spool(self.backend, self.spool_root, delete=True, known=self._known,
+            r = ingest_spool(self.backend, self.spool_root, delete=True, known=self._known, credited=self.credited,
                              max_batch_bytes=self.max_batch_bytes)
             self.result.add(r)
             if r.paused and not self._paused:  # loud once per episode; the report carries it too

@@ -367,7 +367,7 @@ class EmbeddedSink(SpoolSink):
         of this attempt. Of the rest, what still lies readable in our spool folder is ``spooled``
         (a reader or ``load`` picks it up); anything else (quarantined as corrupt, or a segment
         that vanished) is ``dropped``, with an error saying so."""
-        from megatron.core.dmi.sinks.spool import CorruptSegmentError, list_segments, verify_segment
+        from megatron.core.dmi.sinks.spool import CorruptSegmentError, list_segments, peek_segment_id, verify_segment
 
         mine = (self.run_id, self.attempt, self.coords.rank)
         left_rows = left_bytes = 0
@@ -375,6 +375,8 @@ class EmbeddedSink(SpoolSink):
             if seg.kind != "tensors":
                 continue
             try:
+                if peek_segment_id(seg) in self.ingester.credited:  # its records are in the store already
+                    continue
                 t = verify_segment(seg).table
             except CorruptSegmentError:  # reported by the ingester already
                 continue
