@@ -26,16 +26,9 @@ import pyarrow.compute as pc
 
 from megatron.core.dmi.sinks import schema as S
 from megatron.core.dmi.sinks.backend import Backend, ChdbBackend, StoreBusyError
-from megatron.core.dmi.sinks.spool import (
-    CorruptSegmentError,
-    Segment,
-    VerifiedSegment,
-    list_segments,
-    peek_segment_id,
-    raw_numbering,
-    raw_writer_of,
-    verify_segment,
-)
+from megatron.core.dmi.sinks import raw_segment
+from megatron.core.dmi.sinks.raw_segment import CorruptSegmentError, VerifiedSegment
+from megatron.core.dmi.sinks.spool import Segment, list_segments, peek_segment_id, verify_segment
 
 log = logging.getLogger("megatron.core.dmi.sinks")
 
@@ -286,7 +279,7 @@ def ingest_spool(
         try:
             sid = peek_segment_id(seg)
             if seg.raw:
-                writer, seq, first = raw_numbering(seg)
+                writer, seq, first = raw_segment.numbering(seg.path)
                 numbering.setdefault(writer, (first, seg.rank, set()))[2].add(seq)
             if sid in known:
                 res.segments_skipped += 1
@@ -362,7 +355,7 @@ def _check_numbering(backend: Backend, numbering: dict, on_disk: set[tuple[int, 
         have = set(seen) | {seq for r, seq in on_disk if r == rank}
         t = backend.query_arrow(f"SELECT segment_id FROM {backend.t('segments')} WHERE startsWith(segment_id, {{w:String}})",
                                 {"w": writer + "-"})
-        have.update(n for _, n in filter(None, map(raw_writer_of, t.column("segment_id").to_pylist())))
+        have.update(n for _, n in filter(None, map(raw_segment.writer_of, t.column("segment_id").to_pylist())))
         gone = sorted(set(range(first, max(have) + 1)) - have)
         if gone:
             names = {f"rank-{rank:05d}/{n:08d}.dmiraw" for n in gone}

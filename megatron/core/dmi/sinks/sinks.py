@@ -38,7 +38,8 @@ from megatron.core.dmi.sinks.meta import (
     runs_table,
     topology_table,
 )
-from megatron.core.dmi.sinks.spool import SpoolWriter, claim_rank_dir, release_rank_dir
+from megatron.core.dmi.sinks.owner import claim_rank_dir, release_rank_dir
+from megatron.core.dmi.sinks.spool import SpoolWriter
 
 log = logging.getLogger("megatron.core.dmi.sinks")
 

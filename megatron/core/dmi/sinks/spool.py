@@ -25,15 +25,10 @@ idempotent by that id, whatever the file is called.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import json
 import os
 import re
-import socket
-import struct
 import threading
-import time
 import uuid
 import zlib
 from dataclasses import dataclass
@@ -42,22 +37,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megatron.core.dmi.records import (
-    DESCRIPTOR_COLUMNS,
-    PHASES,
-    Firing,
-    RecordKey,
-    descriptor_table,
-    table_nbytes,
-)
+from megatron.core.dmi.records import table_nbytes
+from megatron.core.dmi.sinks import raw_segment
 from megatron.core.dmi.sinks import schema as S
+from megatron.core.dmi.sinks.raw_segment import CorruptSegmentError, Quarantined, VerifiedSegment
 
 SEGMENT_RE = re.compile(r"^(?:(?P<kind>[a-z_]+)-(?P<mseq>\d{8})\.parquet|(?P<seq>\d{8})\.(?P<ext>parquet|dmiraw))$")
 RAW_EXT = "dmiraw"
 RAW_NAME_RE = re.compile(r"^(\d{8})\.dmiraw$")
-# Raw segment format 2 (docs/storage.md); format 1 had no CRC over keys and no footer.
-RAW_MAGIC, SITE_MAGIC, RECS_MAGIC, END_MAGIC = b"DMIRAW02", b"DMISITE2", b"DMIRECS2", b"DMIEND02"
-OLD_RAW_MAGIC = b"DMIRAW01"
 RANK_DIR_RE = re.compile(r"^rank-(?P<rank>\d{5,})$")
 META_ID = b"dmi.segment_id"
 META_KIND = b"dmi.kind"
@@ -68,60 +55,6 @@ META_ROWS = b"dmi.rows"  # a Parquet segment's row count, checked on read (with 
 
 # Columns small enough to profit from dictionary encoding in Parquet; payload never does.
 _DICT_COLUMNS = ["run_id", "phase", "output", "dtype", "reason", "hostname", "sink"]
-
-
-class CorruptSegmentError(RuntimeError):
-    pass
-
-
-class StoreInUseError(SystemExit):
-    """Another live process writes this rank's spool folder (a second run on the same
-    ``--dmi-store-dir``). A SystemExit, so the run stops at start-up with this one line and no
-    traceback, before it writes anything."""
-
-
-_owned: dict[str, list] = {}  # rank folder -> [lock fd, users] held by this process
-_owned_lock = threading.Lock()
-
-
-def claim_rank_dir(folder: str, run_id: str) -> None:
-    """Make this process the one writer of ``folder`` for as long as it holds the claim (another
-    process's spool writer would delete or overwrite our open segments); StoreInUseError names
-    the holder. Claims by one process nest (``release_rank_dir`` once per claim)."""
-    folder = os.path.realpath(folder)
-    with _owned_lock:
-        if folder in _owned:
-            _owned[folder][1] += 1
-            return
-        os.makedirs(folder, exist_ok=True)
-        # Beside the folder, not in it: the folder empties as the ingester consumes it.
-        lock = os.path.join(os.path.dirname(folder), f".{os.path.basename(folder)}.owner.lock")
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown process"
-            os.close(fd)
-            store = os.path.dirname(os.path.dirname(folder))
-            raise StoreInUseError(
-                f"error: --dmi-store-dir {store} is in use by another DMI run ({holder}); two runs cannot share "
-                f"a store directory: give this run its own --dmi-store-dir, or wait for that run to end") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, run {run_id or '?'}, since "
-                      f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)
-        _owned[folder] = [fd, 1]
-
-
-def release_rank_dir(folder: str) -> None:
-    folder = os.path.realpath(folder)
-    with _owned_lock:
-        held = _owned.get(folder)
-        if held is None:
-            return
-        held[1] -= 1
-        if held[1] == 0:
-            del _owned[folder]
-            os.close(held[0])  # drops the flock
 
 
 def rank_dir(spool_root: str, rank: int) -> str:
@@ -326,7 +259,7 @@ def segment_id_of(seg: Segment, metadata: dict | None) -> str:
 def peek_segment_id(seg: Segment) -> str:
     """The segment's id from its footer (Parquet) or header (raw) alone; raises CorruptSegmentError."""
     if seg.raw:
-        return _raw_segment_id(_raw_header(seg.path)[0])
+        return raw_segment.segment_id(raw_segment.read_header(seg.path)[0])
     try:
         md = pq.read_schema(seg.path).metadata
     except Exception as e:
@@ -334,217 +267,15 @@ def peek_segment_id(seg: Segment) -> str:
     return segment_id_of(seg, md)
 
 
-@dataclass(frozen=True)
-class Quarantined:
-    """A record (``row``: its index in the segment) or a part of a segment (``row`` -1) that did not
-    verify; ``key`` holds whatever of its key could still be trusted."""
-
-    row: int
-    reason: str
-    key: dict
-
-
-@dataclass
-class VerifiedSegment:
-    """What a segment holds that verified (``table``), what did not (``quarantined``), and what is
-    wrong with the segment as a whole (``problems``: a damaged block, a missing footer ...)."""
-
-    table: pa.Table
-    quarantined: list[Quarantined]
-    problems: list[str]
-
-    @property
-    def clean(self) -> bool:
-        return not self.quarantined and not self.problems
-
-    def summary(self, path: str) -> str:
-        records = [q for q in self.quarantined if q.row >= 0]
-        parts = list(self.problems)
-        if records:
-            parts.append(f"{len(records)} record(s) quarantined ({records[0].reason}" + (", ..." if len(records) > 1 else "") + ")")
-        return f"{path}: " + "; ".join(parts) + f"; {self.table.num_rows} verified record(s) kept"
-
-
-_HEAD = struct.Struct("<8sQQQ")  # magic, a, b, crc of every block of a format-2 raw segment
-
-
-def _block_crc_ok(buf, pos: int, body_len: int, crc: int) -> bool:
-    mem = memoryview(buf)
-    return zlib.crc32(mem[pos + _HEAD.size : pos + _HEAD.size + body_len], zlib.crc32(mem[pos : pos + 24])) == crc
-
-
-def _covered_len(magic: bytes, a: int, b: int) -> int | None:
-    """Bytes after a block's head that its CRC covers (payloads are not: they have their own)."""
-    return {SITE_MAGIC: b + (-b) % 8, RECS_MAGIC: a * len(DESCRIPTOR_COLUMNS) * 8, END_MAGIC: 16}.get(magic)
-
-
-def _resync(buf, pos: int) -> int | None:
-    """Where reading may go on after the damaged block at ``pos``: the end its head claims, if a
-    block that verifies starts there (a flipped bit in the body leaves the lengths intact); None
-    when nothing after it can be trusted."""
-    magic, a, b, _ = _HEAD.unpack_from(buf, pos)
-    covered = _covered_len(magic, a, b)
-    if covered is None:
-        return None
-    nxt = pos + _HEAD.size + covered + ((b + (-b) % 8) if magic == RECS_MAGIC else 0)
-    if nxt + _HEAD.size > buf.size:
-        return None
-    m2, a2, b2, crc2 = _HEAD.unpack_from(buf, nxt)
-    covered2 = _covered_len(m2, a2, b2)
-    if covered2 is None or nxt + _HEAD.size + covered2 > buf.size or not _block_crc_ok(buf, nxt, covered2, crc2):
-        return None
-    return nxt
-
-
-def _raw_header(path: str) -> tuple[dict, int]:
-    """A raw segment's header (with its ``seq`` and block ``crc``) and where its first block starts."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(_HEAD.size)
-            magic, seq, n, crc = _HEAD.unpack(head) if len(head) == _HEAD.size else (head[:8], 0, 0, 0)
-            if magic == OLD_RAW_MAGIC:
-                raise CorruptSegmentError(
-                    f"{path}: raw segment of format 1 (written before megatron-dmi checksummed keys); this "
-                    f"release reads format 2 only: load it with the release that wrote it")
-            if magic != RAW_MAGIC:
-                raise CorruptSegmentError(f"{path}: not a DMI raw segment (bad magic)")
-            if n > 1 << 24:
-                raise CorruptSegmentError(f"{path}: damaged raw segment header (length {n})")
-            body = f.read(n + (-n) % 8)
-        if zlib.crc32(body, zlib.crc32(head[:24])) != crc:
-            raise CorruptSegmentError(f"{path}: damaged raw segment header (CRC mismatch)")
-        header = json.loads(body[:n])
-    except (OSError, ValueError) as e:
-        raise CorruptSegmentError(f"{path}: unreadable raw segment header ({type(e).__name__}: {e})") from None
-    header["seq"], header["crc"] = seq, crc
-    return header, _HEAD.size + n + (-n) % 8
-
-
-def _raw_segment_id(header: dict) -> str:
-    """Unique per segment: the writer's id (new at every start) and the segment's number."""
-    return f"{header.get('writer_id', 'raw')}-{header['seq']}"
-
-
-def raw_numbering(seg: Segment) -> tuple[str, int, int]:
-    """(writer id, segment number, the writer's first number) from a raw segment's header."""
-    header = _raw_header(seg.path)[0]
-    return header.get("writer_id", "raw"), header["seq"], int(header.get("first_seq", header["seq"]))
-
-
-def raw_writer_of(segment_id: str) -> tuple[str, int] | None:
-    """(writer id, segment number) of a raw segment's id; None for other ids."""
-    writer, _, seq = segment_id.rpartition("-")
-    return (writer, int(seq)) if writer and seq.isdigit() else None
-
-
-def _row_key(sites: dict, row: np.ndarray) -> dict:
-    d = dict(zip(DESCRIPTOR_COLUMNS, (int(v) for v in row)))
-    site = sites.get(d["site"])
-    key = {k: v for k, v in site.flat().items() if k not in Firing._fields} if site else {}
-    key.update({k: d[k] for k in ("iteration", "microbatch", "attempt", "invocation")})
-    key["phase"] = PHASES[d["phase"]] if d["phase"] < len(PHASES) else f"#{d['phase']}"
-    return key
-
-
-def _records_block(sites: dict, rows: np.ndarray, data: pa.Buffer, first_row: int,
-                   quarantined: list[Quarantined]) -> pa.Table | None:
-    """The verified records of one records block; the others go to ``quarantined``."""
-    nbytes = rows[:, DESCRIPTOR_COLUMNS.index("nbytes")]
-    ends = np.cumsum(nbytes)
-    good = np.ones(len(rows), dtype=bool)
-    mem = memoryview(data)
-    for i, row in enumerate(rows):
-        site, phase, crc = (int(row[DESCRIPTOR_COLUMNS.index(c)]) for c in ("site", "phase", "crc32"))
-        why = ("site undefined in this segment" if site not in sites else
-               f"phase word {phase} out of range" if phase >= len(PHASES) else
-               "payload CRC mismatch" if zlib.crc32(mem[int(ends[i] - nbytes[i]) : int(ends[i])]) != crc else None)
-        if why:
-            good[i] = False
-            quarantined.append(Quarantined(first_row + i, why, _row_key(sites, row)))
-    if not good.any():
-        return None
-    stand_in = rows.copy()  # a table of every row (payloads stay back to back), then the good ones
-    stand_in[~good, DESCRIPTOR_COLUMNS.index("site")] = next(iter(sites))
-    stand_in[~good, DESCRIPTOR_COLUMNS.index("phase")] = 0
-    table = descriptor_table(sites, stand_in, data)
-    return table if good.all() else table.filter(pa.array(good))
-
-
 def verify_raw_segment(path: str) -> VerifiedSegment:
-    """Read a ``.dmiraw`` segment, checking every block CRC, every payload CRC and the footer's
-    totals. Records that verify are returned (the payload column views the memory-mapped file);
-    the rest are quarantined. Raises CorruptSegmentError only when the header itself is bad."""
-    header, pos = _raw_header(path)
-    if header.get("schema_version") != S.SCHEMA_VERSION:
-        raise CorruptSegmentError(f"{path}: raw segment of schema version {header.get('schema_version')}, "
-                                  f"this megatron-dmi loads version {S.SCHEMA_VERSION}")
-    buf = pa.memory_map(path).read_buffer()
-    words = len(DESCRIPTOR_COLUMNS)
-    sites: dict[int, RecordKey] = {}
-    tables, quarantined, problems = [], [], []
-    crcs = [header["crc"]]
-    rows_seen = payload_seen = 0
-    footer = None
-    while pos < buf.size and footer is None:
-        if pos + _HEAD.size > buf.size:
-            problems.append(f"cut short: {buf.size - pos} stray byte(s) at byte {pos}")
-            break
-        magic, a, b, crc = _HEAD.unpack_from(buf, pos)
-        body_len = _covered_len(magic, a, b)
-        if body_len is None or pos + _HEAD.size + body_len > buf.size or not _block_crc_ok(buf, pos, body_len, crc):
-            resume = _resync(buf, pos)
-            end = buf.size if resume is None else resume
-            problems.append(f"damaged block at byte {pos}: bytes {pos}-{end} not read")
-            quarantined.append(Quarantined(-1, f"bytes {pos}-{end} fail their CRC", {}))
-            if resume is None:
-                break
-            crcs.append(crc)  # the footer still counts the block
-            if magic == RECS_MAGIC:  # its records are counted, and lost, with the range above
-                rows_seen += a
-                payload_seen += b
-            pos = resume
-            continue
-        crcs.append(crc)
-        body = pos + _HEAD.size
-        if magic == SITE_MAGIC:
-            try:
-                sites[a] = RecordKey.from_flat(json.loads(buf.slice(body, b).to_pybytes()))
-            except (ValueError, KeyError, TypeError) as e:  # CRC-clean, so a writer bug, but never fatal
-                problems.append(f"site {a} at byte {pos} undecodable ({type(e).__name__}: {e})")
-        elif magic == RECS_MAGIC:
-            rows = np.frombuffer(buf, dtype=np.uint64, count=a * words, offset=body).reshape(a, words)
-            data_at = body + body_len
-            if data_at + b > buf.size or int(rows[:, DESCRIPTOR_COLUMNS.index("nbytes")].sum()) != b:
-                reason = "payloads cut short" if data_at + b > buf.size else "payload sizes disagree with the block"
-                problems.append(f"records block at byte {pos}: {reason}")
-                quarantined.extend(Quarantined(rows_seen + i, reason, _row_key(sites, r)) for i, r in enumerate(rows))
-                rows_seen += a
-                payload_seen += b
-                break
-            t = _records_block(sites, rows, buf.slice(data_at, b), rows_seen, quarantined)
-            if t is not None:
-                tables.append(t)
-            rows_seen += a
-            payload_seen += b
-            body_len += b + (-b) % 8
-        else:
-            footer = (a, b, *struct.unpack_from("<QQ", buf, body))
-        pos = body + body_len
-    if footer is None and not problems:
-        problems.append(f"no footer: the segment was cut short after {rows_seen} record(s)")
-    elif footer is not None:
-        chain = zlib.crc32(np.array(crcs[:-1], dtype=np.uint64).tobytes())
-        if footer != (rows_seen, payload_seen, len(crcs) - 1, chain):
-            problems.append(f"footer counts {footer[0]} record(s) in {footer[2]} block(s), the segment holds "
-                            f"{rows_seen} in {len(crcs) - 1}: blocks are missing")
-        if pos != buf.size:
-            problems.append(f"{buf.size - pos} byte(s) after the footer")
-    meta = {META_ID: _raw_segment_id(header).encode(), META_KIND: b"tensors",
+    """A ``.dmiraw`` segment's verified records (``raw_segment.verify``) as the tensor table, with
+    the segment metadata a Parquet segment carries."""
+    header, v = raw_segment.verify(path)
+    meta = {META_ID: raw_segment.segment_id(header).encode(), META_KIND: b"tensors",
             META_VERSION: str(S.SCHEMA_VERSION).encode(), META_RANK: str(header.get("rank", "")).encode(),
             META_RUN: str(header.get("run_id", "")).encode()}
-    schema = S.KIND_SCHEMAS["tensors"]
-    table = pa.concat_tables(tables) if tables else schema.empty_table()
-    return VerifiedSegment(table.replace_schema_metadata(meta), quarantined, problems)
+    v.table = v.table.replace_schema_metadata(meta)
+    return v
 
 
 def read_raw_segment(path: str) -> pa.Table:
@@ -626,6 +357,6 @@ def verify_segment(seg: Segment) -> VerifiedSegment:
 
 __all__ = [
     "SpoolWriter", "Segment", "list_segments", "read_segment", "read_raw_segment", "segment_rows_bytes",
-    "peek_segment_id", "CorruptSegmentError", "rank_dir", "StoreInUseError", "claim_rank_dir", "release_rank_dir", "verify_segment", "verify_raw_segment",
-    "VerifiedSegment", "Quarantined",
+    "peek_segment_id", "CorruptSegmentError", "rank_dir", "verify_segment", "verify_raw_segment", "VerifiedSegment",
+    "Quarantined",
 ]

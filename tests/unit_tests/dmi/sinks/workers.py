@@ -307,7 +307,7 @@ def start_second_writer(store_dir: str, ready: str, release: str) -> str:
     """A second run on the same store while the first writes: its sink refuses to start (the
     message), or starts and prepares its native writer as a run would ("started")."""
     from megatron.core.dmi.sinks import SpoolSink
-    from megatron.core.dmi.sinks.spool import StoreInUseError
+    from megatron.core.dmi.sinks.owner import StoreInUseError
 
     deadline = time.time() + 30
     while not os.path.exists(ready) and time.time() < deadline:
