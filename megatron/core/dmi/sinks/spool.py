@@ -10,8 +10,8 @@ Layout under a store directory::
 record descriptors and payloads as they left the ring, plus each site's static key); they read
 back as the same tensor table as a Parquet segment. Their numbers count on their own. Every
 segment verifies itself (format 2 raw segments: a CRC over every block and a footer with totals,
-docs/storage.md; Parquet: page CRCs and a row count), and ``verify_segment`` separates what
-verifies from what does not.
+read by ``raw_segment``; Parquet: page CRCs and a row count), and ``verify_segment`` separates
+what verifies from what does not.
 
 A segment is written to a hidden temporary name in the same folder and renamed to its final name,
 so a killed process leaves either the whole segment or only a ``.tmp`` file that nothing reads.
