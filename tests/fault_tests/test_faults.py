@@ -333,3 +333,27 @@ def test_ring_smaller_than_one_record_is_a_startup_error_naming_the_flag(tmp_pat
     err = [ln for ln in out.splitlines() if ln.startswith("error: argument --dmi-ring-mb:")]
     assert err and "cannot hold one record of 16384 bytes" in err[0], out[-3000:]
     assert "Traceback" not in out and "iteration        1/" not in out
+
+
+# -- a second run on a store that a live run holds --------------------------------------------------
+def test_a_second_run_on_a_live_store_stops_at_startup_naming_the_holder(tmp_path):
+    """The store's rank-0 folder is held (as a live run's sink holds it, by a process of its own);
+    a training run on the same --dmi-store-dir stops at start-up with one line naming the store and
+    the holder, without a traceback, a hang or a record written (issue 17 item 4)."""
+    tmp = str(tmp_path)
+    store = os.path.join(tmp, "store")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from megatron.core.dmi.sinks.owner import claim_rank_dir; "
+         "claim_rank_dir(sys.argv[1], 'first-run'); print('held', flush=True); time.sleep(600)",
+         os.path.join(store, "spool", "rank-00000")], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-store-dir", store], timeout=240)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert rc == 1, out[-3000:]
+    err = [ln for ln in out.splitlines() if ln.startswith(f"error: --dmi-store-dir {store} is in use")]
+    assert err and f"pid {holder.pid} " in err[0] and "run first-run" in err[0], out[-3000:]
+    assert "Traceback" not in out and "iteration        1/" not in out
+    assert not tensor_segments(os.path.join(store, "spool"))
