@@ -3,8 +3,11 @@
 Three paths, each on a warm store (schema created and one batch inserted before timing):
 
 - ``insert``:  Arrow batch -> chDB (``load_table``: what the ingester does per batch)
+- ``verify``:  reading that batch back (``rows_missing``: its keys and payload CRCs found in the
+  store), what the ingester does after every insert; also given as its share of insert + verify
 - ``spool``:   records -> Parquet spool segment, fsync'd (what every rank's sink does)
-- ``ingest``:  spool segments -> chDB (the per-node ingester: read, validate, insert, bookkeeping)
+- ``ingest``:  spool segments -> chDB (the per-node ingester: read, verify every CRC, insert, read
+  back, bookkeeping)
 
 Payloads are bf16 normal samples (like activations; barely compressible). Prints a table and
 writes JSON (``--json``). Usage::
@@ -34,7 +37,7 @@ import torch
 from megatron.core.dmi.records import ParallelCoords, Record, RecordKey, records_to_table, table_nbytes
 from megatron.core.dmi.sinks import SpoolSink
 from megatron.core.dmi.sinks.backend import ChdbBackend
-from megatron.core.dmi.sinks.ingest import ingest_spool, load_table
+from megatron.core.dmi.sinks.ingest import ingest_spool, load_table, rows_missing
 from megatron.core.dmi.sinks.spool import list_segments, read_segment
 
 
@@ -120,10 +123,14 @@ def main() -> None:
                 for _ in range(n_batches):
                     it += 1
                     tables.append(records_to_table(make_records(size, per_batch, it, pool)))
-                t0 = time.perf_counter()
+                t_insert = t_verify = 0.0
                 for t in tables:
+                    t0 = time.perf_counter()
                     load_table(backend, "tensors", t)
-                t_insert = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    assert not rows_missing(backend, "tensors", t).any()
+                    t_insert += t1 - t0
+                    t_verify += time.perf_counter() - t1
 
                 spool_dir = os.path.join(root, f"spool-{size}-{rep}")
                 sink = SpoolSink("bench", ParallelCoords(rank=0), spool_dir, segment_bytes=args.batch_mb << 20,
@@ -146,9 +153,11 @@ def main() -> None:
                 assert r.payload_bytes == nbytes, (r.payload_bytes, nbytes)
                 shutil.rmtree(spool_dir, ignore_errors=True)
                 results.append({"record_bytes": size, "repeat": rep, "payload_bytes": nbytes,
-                                "insert_MBps": nbytes / t_insert / 1e6, "spool_MBps": nbytes / t_spool / 1e6,
+                                "insert_MBps": nbytes / t_insert / 1e6, "verify_MBps": nbytes / t_verify / 1e6,
+                                "verify_share": t_verify / (t_insert + t_verify), "spool_MBps": nbytes / t_spool / 1e6,
                                 "ingest_MBps": nbytes / t_ingest / 1e6})
                 print(f"  size {size:>8} repeat {rep}: insert {results[-1]['insert_MBps']:7.0f} MB/s  "
+                      f"verify {results[-1]['verify_MBps']:7.0f} MB/s ({100 * results[-1]['verify_share']:.1f} %)  "
                       f"spool {results[-1]['spool_MBps']:7.0f} MB/s  ingest {results[-1]['ingest_MBps']:7.0f} MB/s",
                       flush=True)
     finally:
@@ -158,17 +167,19 @@ def main() -> None:
 
     summary = []
     print()
-    print(f"{'record':>8} | {'payload/run':>11} | {'insert MB/s':>11} | {'spool MB/s':>10} | {'ingest MB/s':>11}   (medians)")
-    print("-" * 72)
+    print(f"{'record':>8} | {'payload/run':>11} | {'insert MB/s':>11} | {'verify MB/s':>11} | {'verify %':>8} | "
+          f"{'spool MB/s':>10} | {'ingest MB/s':>11}   (medians)")
+    print("-" * 98)
     for size in sorted({r["record_bytes"] for r in results}):
         rs = [r for r in results if r["record_bytes"] == size]
         row = {"record_bytes": size, "payload_bytes": rs[0]["payload_bytes"], "repeats": len(rs)}
-        for k in ("insert_MBps", "spool_MBps", "ingest_MBps"):
+        for k in ("insert_MBps", "verify_MBps", "verify_share", "spool_MBps", "ingest_MBps"):
             row[k] = statistics.median(r[k] for r in rs)
         summary.append(row)
         label = f"{size // 1024} KiB" if size < 1 << 20 else f"{size >> 20} MiB"
         print(f"{label:>8} | {row['payload_bytes'] / 2**20:8.0f} MiB | {row['insert_MBps']:11.0f} | "
-              f"{row['spool_MBps']:10.0f} | {row['ingest_MBps']:11.0f}")
+              f"{row['verify_MBps']:11.0f} | {100 * row['verify_share']:7.1f}% | {row['spool_MBps']:10.0f} | "
+              f"{row['ingest_MBps']:11.0f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),

@@ -4,12 +4,19 @@
 // the GIL right after a host sync, when the GPU is idle and waiting for its next kernels (measured
 // on an H200 as a few percent of step time at 256 MB/step). Python only reads its counters.
 //
-// Segment file (all words little-endian uint64, every block 8-byte aligned):
-//   header  "DMIRAW01", seq, json_len, json (writer header from Python), pad
-//   site    "DMISITE1", site, json_len, json (the site's static key), pad  - before a site's first
-//           record in each segment, so every segment stands alone
-//   records "DMIRECS1", nrows, payload_bytes, nrows x kTakeWords words (take_into's row layout),
-//           payloads back to back, pad
+// Segment file, format 2 (all words little-endian uint64, every block 8-byte aligned; the exact
+// layout, enough to decode a segment without this package, is in docs/storage.md):
+//   every block starts with magic, a, b, crc: crc is the zlib CRC-32 of magic, a, b and the block's
+//   body except payloads (each payload has its own CRC in its descriptor row)
+//   header  "DMIRAW02", seq, json_len, crc, json (writer header from Python), pad
+//   site    "DMISITE2", site, json_len, crc, json (the site's static key), pad  - before a site's
+//           first record in each segment, so every segment stands alone
+//   records "DMIRECS2", nrows, payload_bytes, crc, nrows x kTakeWords words (take_into's row
+//           layout), payloads back to back, pad
+//   footer  "DMIEND02", records, payload_bytes, crc, blocks before it, CRC-32 of their crc words -
+//           last; a segment without it was cut short
+// Every byte but the payloads is covered by a block CRC, payloads by their own, and the footer's
+// totals catch a segment cut at a block boundary.
 // A segment is written as `.<seq>.dmiraw.<pid>.tmp` and renamed to `<seq 08d>.dmiraw` when complete
 // (its size reached, segment_seconds after its first record, or a flush); a killed process leaves
 // only the temporary file. On a write error the segment is cut back to its last whole block and
@@ -220,9 +227,9 @@ class SpoolThread {
     segment_rows_ = 0;
     segment_bytes_ = 0;
     segment_sites_.clear();
-    std::string head = block_head("DMIRAW01", seq_, cfg_.header_json.size());
-    std::string body = cfg_.header_json + std::string(pad8(cfg_.header_json.size()), '\0');
-    std::vector<iovec> iov{{head.data(), head.size()}, {body.data(), body.size()}};
+    block_crcs_.clear();
+    std::string block = json_block("DMIRAW02", seq_, cfg_.header_json);
+    std::vector<iovec> iov{{block.data(), block.size()}};
     if (!write_iov(iov)) {
       error("cannot write spool segment " + tmp_ + " (" + why(errno) + ")");
       ::close(fd_);
@@ -230,6 +237,7 @@ class SpoolThread {
       fd_ = -1;
       return false;
     }
+    block_crcs_.push_back(block_crc(block.data()));
     return true;
   }
 
@@ -252,13 +260,16 @@ class SpoolThread {
     }
     // Site definitions this segment has not seen yet.
     std::string sites;
+    std::vector<uint64_t> crcs;  // of the blocks below, in file order
     {
       std::lock_guard<std::mutex> g(mu_);
       for (const Entry& e : got) {
         if (!segment_sites_.insert(e.d.site).second) continue;
         auto it = sites_.find(e.d.site);
         const std::string& js = it == sites_.end() ? empty_json_ : it->second;
-        sites += block_head("DMISITE1", e.d.site, js.size()) + js + std::string(pad8(js.size()), '\0');
+        const std::string block = json_block("DMISITE2", e.d.site, js);
+        crcs.push_back(block_crc(block.data()));
+        sites += block;
       }
     }
     std::vector<uint64_t> words;
@@ -269,7 +280,8 @@ class SpoolThread {
                                         e.d.phase, e.d.invocation, e.d.nbytes, crc[i]};
       words.insert(words.end(), row, row + kTakeWords);
     }
-    std::string head = block_head("DMIRECS1", rows, payload);
+    std::string head = sealed_head("DMIRECS2", rows, payload, words.data(), words.size() * sizeof(uint64_t));
+    crcs.push_back(block_crc(head.data()));
     static const char zeros[8] = {0};
     std::vector<iovec> iov{{sites.data(), sites.size()}, {head.data(), head.size()},
                            {words.data(), words.size() * sizeof(uint64_t)}};
@@ -300,6 +312,7 @@ class SpoolThread {
     }
     segment_rows_ += rows;
     segment_bytes_ += payload;
+    block_crcs_.insert(block_crcs_.end(), crcs.begin(), crcs.end());
     std::lock_guard<std::mutex> g(mu_);
     stats_.records += rows;
     stats_.bytes += payload;
@@ -328,12 +341,20 @@ class SpoolThread {
 
   void close_segment() {
     if (fd_ < 0) return;
-    ::close(fd_);
-    fd_ = -1;
     if (segment_rows_ == 0) {  // nothing but a header: not worth a file
+      ::close(fd_);
+      fd_ = -1;
       ::unlink(tmp_.c_str());
       return;
     }
+    const uint64_t good = file_bytes_;
+    if (!write_footer()) {  // kept: its blocks verify on their own; the reader reports it as cut short
+      error("cannot write the footer of spool segment " + tmp_ + " (" + why(errno) +
+            "); its records are kept, the segment will be reported as cut short");
+      if (::ftruncate(fd_, static_cast<off_t>(good)) == 0) file_bytes_ = good;
+    }
+    ::close(fd_);
+    fd_ = -1;
     if (::rename(tmp_.c_str(), final_.c_str()) != 0) {
       discard_segment("cannot rename spool segment " + tmp_ + " (" + why(errno) + ")");
       return;
@@ -396,12 +417,43 @@ class SpoolThread {
 
   static uint64_t pad8(uint64_t n) { return (8 - n % 8) % 8; }
 
-  static std::string block_head(const char magic[8], uint64_t a, uint64_t b) {
-    std::string s(24, '\0');
+  // -- format 2 blocks: head (magic, a, b, crc) over the body; see the layout at the top ------
+  static constexpr size_t kHeadBytes = 32;
+
+  // A block head whose crc word covers magic, a, b and `body`.
+  static std::string sealed_head(const char magic[8], uint64_t a, uint64_t b, const void* body, size_t len) {
+    std::string s(kHeadBytes, '\0');
     std::memcpy(&s[0], magic, 8);
     std::memcpy(&s[8], &a, 8);
     std::memcpy(&s[16], &b, 8);
+    uint32_t crc = crc32(reinterpret_cast<const uint8_t*>(s.data()), 24);
+    if (len) crc = crc32_combine(crc, crc32(static_cast<const uint8_t*>(body), len), len);
+    const uint64_t word = crc;
+    std::memcpy(&s[24], &word, 8);
     return s;
+  }
+
+  // A whole block whose body is `json`, zero-padded to 8 bytes (header and site blocks).
+  static std::string json_block(const char magic[8], uint64_t a, const std::string& json) {
+    std::string body = json + std::string(pad8(json.size()), '\0');
+    return sealed_head(magic, a, json.size(), body.data(), body.size()) + body;
+  }
+
+  static uint64_t block_crc(const char* head) {
+    uint64_t word;
+    std::memcpy(&word, head + 24, 8);
+    return word;
+  }
+
+  // The footer: totals, and a CRC over every block's crc word, so a segment cut at a block
+  // boundary, or with a block missing, does not pass for whole.
+  bool write_footer() {
+    const uint64_t body[2] = {block_crcs_.size(), crc32(reinterpret_cast<const uint8_t*>(block_crcs_.data()),
+                                    block_crcs_.size() * sizeof(uint64_t))};
+    std::string block = sealed_head("DMIEND02", segment_rows_, segment_bytes_, body, sizeof(body));
+    block.append(reinterpret_cast<const char*>(body), sizeof(body));
+    std::vector<iovec> iov{{block.data(), block.size()}};
+    return write_iov(iov);
   }
 
   RingCore& core_;
@@ -424,6 +476,7 @@ class SpoolThread {
   std::unordered_set<uint64_t> segment_sites_;
   std::chrono::steady_clock::time_point segment_opened_;  // first write into the open segment
   std::vector<std::string> unsynced_;
+  std::vector<uint64_t> block_crcs_;  // crc words of this segment's blocks so far
   const std::string empty_json_ = "{}";
 };
 

@@ -9,7 +9,8 @@ prints ``FAULT <kind> at iteration <n>: ...`` with the counts it saw):
   dmi.tensors TO dmi.tensors_moved``) mid-run, through the session of the process that owns the
   store (chDB lets no other process in); every later insert of the ingester fails.
 - ``disk_full``: the file system of the store directory is filled to the last byte (a file of zeros
-  in ``$DMI_FAULT_FILL_DIR``), so every later spool segment hits ENOSPC.
+  in ``$DMI_FAULT_FILL_DIR``), so every later spool segment hits ENOSPC; or, with
+  ``$DMI_FAULT_LEAVE_BYTES``, until that much stays free (a nearly full disk).
 - ``kill``: ``kill -9`` of this very process (SIGKILL: no atexit, no flush, no report).
 """
 
@@ -23,6 +24,7 @@ sys.path.insert(0, REPO)
 from megatron.training.dmi import pretrain_gpt  # noqa: E402  (its main() prepares the process as a real run)
 
 from megatron.training.dmi import runtime as dmi_runtime  # noqa: E402
+from tests.fault_tests.tmpfs import fill  # noqa: E402
 
 KIND = os.environ.get("DMI_FAULT", "")
 AT = int(os.environ.get("DMI_FAULT_ITER", "3"))
@@ -43,23 +45,9 @@ def _rename_tensors(rt) -> None:
 
 
 def _disk_full(rt) -> None:
-    target = os.path.join(os.environ["DMI_FAULT_FILL_DIR"], "filler.bin")
-    written = 0
-    block = b"\0" * 4096
-    with open(target, "ab", buffering=0) as f:
-        try:
-            while True:
-                written += f.write(block)
-        except OSError:
-            pass
-        # the last partial block too
-        for size in (2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
-            try:
-                while True:
-                    written += f.write(block[:size])
-            except OSError:
-                pass
-    _say(f"filled the file system with {written} bytes")
+    leave = int(os.environ.get("DMI_FAULT_LEAVE_BYTES", "0"))
+    written = fill(os.environ["DMI_FAULT_FILL_DIR"], leave)
+    _say(f"filled the file system with {written} bytes" + (f", leaving {leave} free" if leave else ""))
 
 
 def _kill(rt) -> None:

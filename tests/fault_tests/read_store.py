@@ -3,10 +3,15 @@ fault tests assert: per run and attempt the stored rows, the visible (deduplicat
 records per iteration, the end-of-run reports, drops, corrupt segments and the runs table text.
 
     python tests/fault_tests/read_store.py <store dir> [extra table ...]
+    python tests/fault_tests/read_store.py --count <store dir> [table]
+
+``--count`` is a plain SQL count of a tensor table per run and attempt, with nothing ingested
+first: what the store holds, to compare with a run's end-of-run report.
 """
 
 import collections
 import json
+import os
 import sys
 
 from megatron.core.dmi.reader import open_store
@@ -52,5 +57,19 @@ def read(store_dir: str, extra_tables: list[str]) -> dict:
         return out
 
 
+def count(store_dir: str, table: str = "tensors") -> dict:
+    from megatron.core.dmi.sinks import ChdbBackend
+
+    b = ChdbBackend(os.path.join(store_dir, "chdb"))
+    try:
+        rows = b.query_arrow(f"SELECT run_id, attempt, count() AS n FROM {b.t(table)} FINAL GROUP BY run_id, attempt")
+    finally:
+        b.close()
+    return {f"{r['run_id']}:{r['attempt']}": r["n"] for r in rows.to_pylist()}
+
+
 if __name__ == "__main__":
-    print("READ_STORE " + json.dumps(read(sys.argv[1], sys.argv[2:]), default=str))
+    if sys.argv[1] == "--count":
+        print("READ_STORE " + json.dumps(count(*sys.argv[2:])))
+    else:
+        print("READ_STORE " + json.dumps(read(sys.argv[1], sys.argv[2:]), default=str))

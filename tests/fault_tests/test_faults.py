@@ -5,16 +5,19 @@ back through the real reader, in its own process) and the report the run printed
 Every run captures ``router`` (4 outputs) on 2 layers x 2 microbatches: 16 records an iteration.
 """
 
+import contextlib
 import glob
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
 
 import pytest
 
-from megatron.core.dmi.sinks.spool import list_segments, segment_rows_bytes
+from megatron.core.dmi.sinks.spool import list_segments, segment_rows_bytes, verify_segment
+from tests.fault_tests.tmpfs import small_tmpfs
 from tests.functional_tests.launch import REPO, tiny_moe_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,6 +57,26 @@ def report_line(out):
     lines = out.splitlines()
     i = next(i for i, ln in enumerate(lines) if ln.startswith("DMI end-of-run report"))
     return lines[i + 1]
+
+
+def report_counts(out):
+    """(run_id, attempt, written, spooled) of a single-rank run's end-of-run report."""
+    lines = out.splitlines()
+    i = next(i for i, ln in enumerate(lines) if ln.startswith("DMI end-of-run report"))
+    m = re.match(r"DMI end-of-run report \(run (\S+) attempt (\d+)\)", lines[i])
+    w = re.search(r"written (\d+) \(.*?spooled (\d+)", lines[i + 1])
+    return m.group(1), int(m.group(2)), int(w.group(1)), int(w.group(2))
+
+
+def store_count(store, table="tensors"):
+    """Records per "run:attempt" in the store by a plain SQL count, nothing ingested first."""
+    return read_store("--count", store, table)[0]
+
+
+def assert_written_is_what_the_store_holds(out, store, table="tensors"):
+    """The end-of-run report is exact: its `written` is what a plain count finds in the store."""
+    run_id, attempt, written, _ = report_counts(out)
+    assert store_count(store, table).get(f"{run_id}:{attempt}", 0) == written, report_line(out)
 
 
 def only_run(data):
@@ -108,6 +131,7 @@ def test_spool_mode_with_the_server_down_keeps_every_record(spool_run):
     target = os.path.join(tmp, "loaded")
     rc, msg = cli("load", store, "--store", target)
     assert rc == 0 and f"{4 * PER_ITER} record(s)" in msg, msg
+    assert_written_is_what_the_store_holds(out, target)  # spool mode: `written` is what loads
     run = only_run(read_store(target)[0])
     assert run["visible_per_iteration"] == {str(i): PER_ITER for i in range(1, 5)}
     assert run["duplicate_visible_keys"] == 0 and run["rebuilt"] == 4 * PER_ITER
@@ -127,14 +151,16 @@ def test_corrupt_and_truncated_spool_segments_are_reported_and_the_rest_loads(sp
         f.truncate(os.path.getsize(segs[1]) // 2)
     with open(segs[2], "r+b") as f:  # corrupted: garbage over the header
         f.write(os.urandom(64))
+    kept = verify_segment(tensor_segments(spool)[1]).table.num_rows  # what verifies before the cut
     target = str(tmp_path / "loaded")
     rc, msg = cli("load", spool, "--store", target)
     assert rc == 1, msg  # the loader says something was wrong
-    assert f"{4 * PER_ITER - lost} record(s)" in msg and "2 corrupt" in msg, msg
+    assert f"{4 * PER_ITER - lost + kept} record(s)" in msg and "1 corrupt, 1 partly quarantined" in msg, msg
     assert os.path.basename(segs[1]) in msg and os.path.basename(segs[2]) in msg
+    assert "are missing" not in msg and "0 missing" in msg  # a damaged segment is not a deleted one
     run = only_run(read_store(target)[0])
-    assert run["visible_per_iteration"] == {"1": PER_ITER, "4": PER_ITER}
-    assert run["rebuilt"] == 4 * PER_ITER - lost
+    assert run["visible_per_iteration"] == {"1": PER_ITER, **({"2": kept} if kept else {}), "4": PER_ITER}
+    assert run["rebuilt"] == 4 * PER_ITER - lost + kept
 
 
 def test_password_never_leaks_and_store_is_owner_only(spool_run):
@@ -177,6 +203,8 @@ def test_server_gone_after_startup_spools_reports_and_loads_exactly(tmp_path):
     target = os.path.join(tmp, "loaded")
     rc, msg = cli("load", store, "--store", target)
     assert rc == 0, msg
+    run_id, attempt, written, spooled = report_counts(out)
+    assert store_count(target)[f"{run_id}:{attempt}"] == written + spooled  # nothing reached the server
     data, _ = read_store(target)
     run = only_run(data)
     assert run["visible_per_iteration"] == {str(i): PER_ITER for i in range(1, 5)}
@@ -196,6 +224,7 @@ def test_tensors_table_renamed_mid_run_spools_reports_and_loses_nothing(tmp_path
     assert "captured 64 records" in line and f"written {2 * PER_ITER}" in line and f"spooled {2 * PER_ITER}" in line, line
     assert "UNKNOWN_TABLE" in line  # the report names the failure
     assert spool_rows(store) == 2 * PER_ITER  # iterations 3-4 wait in the spool
+    assert_written_is_what_the_store_holds(out, store, "tensors_moved")  # where the stored ones went
     # opening the store re-creates the table and loads the spool; the moved table still holds 1-2
     data, _ = read_store(store, "tensors_moved")
     run = only_run(data)
@@ -205,21 +234,20 @@ def test_tensors_table_renamed_mid_run_spools_reports_and_loses_nothing(tmp_path
 
 
 # -- disk full while spooling -----------------------------------------------------------------------
-def _mount_tmpfs(path, size="1m"):
-    os.makedirs(path, exist_ok=True)
-    if os.geteuid() != 0:
-        return "mounting a tmpfs needs root"
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], capture_output=True, text=True)
-    return None if p.returncode == 0 else f"mount -t tmpfs failed: {p.stderr.strip()}"
+@contextlib.contextmanager
+def mounted_tmpfs(tmp, size):
+    """``<tmp>/small`` as a tmpfs of ``size`` for the block (the test skips, saying why, where
+    mounting is not permitted)."""
+    mnt = os.path.join(tmp, "small")
+    with small_tmpfs(mnt, size) as why:
+        if why:
+            pytest.skip(why)
+        yield mnt
 
 
 def test_disk_full_while_spooling_drops_loudly_and_keeps_what_was_written(tmp_path):
     tmp = str(tmp_path)
-    mnt = os.path.join(tmp, "small")
-    why = _mount_tmpfs(mnt)
-    if why:
-        pytest.skip(why)
-    try:
+    with mounted_tmpfs(tmp, "1m") as mnt:
         store = os.path.join(mnt, "store")
         rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-persist", "spool", "--dmi-store-dir", store,
                               "--save", os.path.join(tmp, "ckpt"), "--save-interval", "1", *TORCH_CKPT],
@@ -236,11 +264,37 @@ def test_disk_full_while_spooling_drops_loudly_and_keeps_what_was_written(tmp_pa
         target = os.path.join(tmp, "loaded")
         rc, msg = cli("load", store, "--store", target)
         assert rc == 0, msg
+        assert_written_is_what_the_store_holds(out, target)
         run = only_run(read_store(target)[0])
         assert run["visible_per_iteration"] == {"1": PER_ITER, "2": PER_ITER}
         assert run["rebuilt"] == 2 * PER_ITER
-    finally:
-        subprocess.run(["umount", "-l", mnt], capture_output=True)
+
+
+# -- the embedded store's disk nearly full --------------------------------------------------------
+@pytest.mark.parametrize("margin_mb,leave", [("16", 1.5), ("0", 1.1)], ids=["margin", "no-margin"])
+def test_nearly_full_store_disk_reports_only_what_the_store_holds(tmp_path, margin_mb, leave):
+    """A 20 MiB tmpfs filled to `leave` MiB free at iteration 3. With the default 16 MiB margin the
+    ingester pauses and says so; with no margin chDB's inserts return without error and store
+    nothing (issue 17: "written 800" for a store holding 100), and the read-back catches it. Either
+    way `written` is what the store holds, the rest waits in the spool, and freeing the disk
+    loads every record."""
+    tmp = str(tmp_path)
+    with mounted_tmpfs(tmp, "20m") as mnt:
+        store = os.path.join(mnt, "store")
+        rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-store-dir", store], fault="disk_full", at=3,
+                        env={"DMI_FAULT_FILL_DIR": mnt, "DMI_FAULT_LEAVE_BYTES": str(int(leave * 2**20)),
+                             "DMI_STORE_MIN_FREE_MB": margin_mb})
+        assert rc == 0, out[-4000:]
+        assert "filled the file system" in out and "iteration        4/       4" in out
+        said = "ingest paused" if margin_mb != "0" else "not found in the store after the insert"
+        assert said in out, out[-4000:]  # loud: a warning when it happens, and in the report
+        assert said in report_line(out)
+        run_id, attempt, written, spooled = report_counts(out)
+        assert written + spooled == 4 * PER_ITER and "dropped 0" in report_line(out), report_line(out)
+        assert_written_is_what_the_store_holds(out, store)
+        os.unlink(os.path.join(mnt, "filler.bin"))
+        run = only_run(read_store(store)[0])  # opening the store loads what waited
+        assert run["visible_per_iteration"] == {str(i): PER_ITER for i in range(1, 5)}
 
 
 # -- kill -9 mid-run, then resume from the last checkpoint ------------------------------------------
@@ -260,6 +314,7 @@ def test_kill_9_then_resume_stores_every_iteration_exactly_once(tmp_path):
     assert "attempt 2" in out2
     line = report_line(out2)
     assert "captured 64 records" in line and "dropped 0" in line, line  # iterations 3-6 of attempt 2
+    assert_written_is_what_the_store_holds(out2, store)
     run = only_run(read_store(store)[0])
     assert run["visible_per_iteration"] == {str(i): PER_ITER for i in range(1, 7)}
     assert run["duplicate_visible_keys"] == 0
@@ -278,3 +333,27 @@ def test_ring_smaller_than_one_record_is_a_startup_error_naming_the_flag(tmp_pat
     err = [ln for ln in out.splitlines() if ln.startswith("error: argument --dmi-ring-mb:")]
     assert err and "cannot hold one record of 16384 bytes" in err[0], out[-3000:]
     assert "Traceback" not in out and "iteration        1/" not in out
+
+
+# -- a second run on a store that a live run holds --------------------------------------------------
+def test_a_second_run_on_a_live_store_stops_at_startup_naming_the_holder(tmp_path):
+    """The store's rank-0 folder is held (as a live run's sink holds it, by a process of its own);
+    a training run on the same --dmi-store-dir stops at start-up with one line naming the store and
+    the holder, without a traceback, a hang or a record written (issue 17 item 4)."""
+    tmp = str(tmp_path)
+    store = os.path.join(tmp, "store")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from megatron.core.dmi.sinks.owner import claim_rank_dir; "
+         "claim_rank_dir(sys.argv[1], 'first-run'); print('held', flush=True); time.sleep(600)",
+         os.path.join(store, "spool", "rank-00000")], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-store-dir", store], timeout=240)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert rc == 1, out[-3000:]
+    err = [ln for ln in out.splitlines() if ln.startswith(f"error: --dmi-store-dir {store} is in use")]
+    assert err and f"pid {holder.pid} " in err[0] and "run first-run" in err[0], out[-3000:]
+    assert "Traceback" not in out and "iteration        1/" not in out
+    assert not tensor_segments(os.path.join(store, "spool"))

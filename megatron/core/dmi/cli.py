@@ -56,9 +56,10 @@ def open_for_reading(store: str, database: str, quiet: bool = False):
 
     opened = open_store(store, database=database, progress=sys.stderr.isatty() and not quiet)
     r = opened.ingest_result
-    if (r.segments_loaded or r.segments_corrupt) and not quiet:
+    if (r.segments_loaded or r.segments_corrupt or r.errors) and not quiet:
         print(f"(read {r.segments_loaded} spool segment(s) not in the store yet, {r.records} record(s)"
               + (f"; {r.segments_corrupt} corrupt segment(s) skipped" if r.segments_corrupt else "")
+              + (f"; {r.records_quarantined} record(s) quarantined" if r.records_quarantined else "")
               + "; the files are left as they are)")
         for e in r.errors:
             print(f"  ! {e}")
@@ -239,10 +240,12 @@ def cmd_load(args) -> int:
     with open_store(target, database=args.database, writable=True) as store:
         r = store.load(src, delete=args.delete, progress=sys.stderr.isatty())
     print(f"loaded {r.segments_loaded} segment(s): {r.records} record(s), {_fmt_bytes(r.payload_bytes)} of payload; "
-          f"{r.segments_skipped} already present, {r.segments_corrupt} corrupt")
+          f"{r.segments_skipped} already present, {r.segments_corrupt} corrupt, {r.segments_partial} partly "
+          f"quarantined ({r.records_quarantined} record(s) in dmi.quarantine), {r.segments_unverified} not verified, "
+          f"{len(r.missing_segments)} missing")
     for e in r.errors:
         print(f"  ! {e}")
-    return 1 if r.segments_corrupt else 0
+    return 1 if r.errors else 0
 
 
 def cmd_export(args) -> int:

@@ -13,6 +13,7 @@ import fcntl
 import io
 import os
 import re
+import shutil
 import threading
 import urllib.parse
 from abc import ABC, abstractmethod
@@ -68,6 +69,10 @@ class Backend(ABC):
 
     def close(self) -> None:
         pass
+
+    def free_bytes(self) -> int | None:
+        """Free space on the store's file system (None: not known here, e.g. a server)."""
+        return None
 
     def t(self, table: str) -> str:
         """Qualified, validated table name."""
@@ -199,6 +204,9 @@ class ChdbBackend(Backend):
             with self._session.send_insert(f"INSERT INTO {self.t(table)} ({cols})", "ArrowStream") as ins:
                 ins.append(buf.getbuffer())
                 ins.finish()
+
+    def free_bytes(self) -> int | None:
+        return shutil.disk_usage(self.path).free
 
     def close(self):
         if self._closed:

@@ -9,10 +9,13 @@ which segment ids are in.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable
@@ -23,13 +26,9 @@ import pyarrow.compute as pc
 
 from megatron.core.dmi.sinks import schema as S
 from megatron.core.dmi.sinks.backend import Backend, ChdbBackend, StoreBusyError
-from megatron.core.dmi.sinks.spool import (
-    CorruptSegmentError,
-    Segment,
-    list_segments,
-    peek_segment_id,
-    read_segment,
-)
+from megatron.core.dmi.sinks import raw_segment
+from megatron.core.dmi.sinks.raw_segment import CorruptSegmentError, VerifiedSegment
+from megatron.core.dmi.sinks.spool import Segment, list_segments, peek_segment_id, verify_segment
 
 log = logging.getLogger("megatron.core.dmi.sinks")
 
@@ -61,36 +60,100 @@ def derive_expert_counts(tensors: pa.Table) -> pa.Table:
     return pa.Table.from_pydict(cols, schema=S.EXPERT_COUNTS_SCHEMA)
 
 
-def load_table(backend: Backend, kind: str, table: pa.Table) -> None:
-    """Insert one table of a spool kind (plus its derived summary rows)."""
+def load_table(backend: Backend, kind: str, table: pa.Table) -> list[tuple[str, pa.Table]]:
+    """Insert one table of a spool kind (plus its derived summary rows); returns what went into
+    which table, for ``rows_missing``."""
     if table.num_rows == 0:
-        return
+        return []
     table = table.replace_schema_metadata(None)
     backend.insert_arrow(kind, table)
+    inserted = [(kind, table)]
     if kind == "tensors":
         ec = derive_expert_counts(table)
         if ec.num_rows:
             backend.insert_arrow("expert_counts", ec)
+            inserted.append(("expert_counts", ec))
+    return inserted
+
+
+def rows_missing(backend: Backend, table_name: str, table: pa.Table) -> np.ndarray:
+    """Read back what was just inserted: True for each row of ``table`` that ``table_name`` does
+    not hold with the same key (and payload checksum). Only key columns travel, never payloads;
+    the scan is narrowed to the batch's runs, iterations and ranks. Why: chDB can return from an
+    insert without an error and store nothing (seen below ~1 MiB free)."""
+    cols = list(S.ORDER_BY[table_name]) + (["checksum"] if "checksum" in table.schema.names else [])
+    mine = table.select(cols)
+    where, params = [], {}
+    if "run_id" in cols:
+        where.append("run_id IN {runs:Array(String)}")
+        params["runs"] = pc.unique(mine.column("run_id")).to_pylist()
+    if "iteration" in cols:
+        lo, hi = pc.min_max(mine.column("iteration")).values()
+        where.append("iteration BETWEEN {lo:Int64} AND {hi:Int64}")
+        params.update(lo=lo.as_py(), hi=hi.as_py())
+    if "rank" in cols:
+        where.append("rank IN {ranks:Array(Int32)}")
+        params["ranks"] = pc.unique(mine.column("rank")).to_pylist()
+    sql = f"SELECT DISTINCT {', '.join(cols)} FROM {backend.t(table_name)}"
+    stored = backend.query_arrow(sql + (" WHERE " + " AND ".join(where) if where else ""), params)
+    stored = stored.select(cols).cast(mine.schema.remove_metadata())
+    rows = mine.append_column("__row", pa.array(np.arange(table.num_rows, dtype=np.int64)))
+    absent = rows.join(stored, keys=cols, join_type="left anti").column("__row").to_numpy()
+    missing = np.zeros(table.num_rows, dtype=bool)
+    missing[absent] = True
+    return missing
+
+
+MIN_FREE_ENV = "DMI_STORE_MIN_FREE_MB"
+DEFAULT_MIN_FREE_MB = 16.0
+
+
+def min_free_bytes() -> int:
+    """Free space the embedded store's file system must keep for ingest to run (a chDB insert
+    into a nearly full disk can vanish without an error): ``$DMI_STORE_MIN_FREE_MB``, default 16."""
+    raw = os.environ.get(MIN_FREE_ENV, str(DEFAULT_MIN_FREE_MB))
+    try:
+        mb = float(raw)
+        if not mb >= 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{MIN_FREE_ENV}={raw!r}: expected a number of MiB >= 0") from None
+    return int(mb * 2**20)
 
 
 @dataclass
 class IngestResult:
-    segments_loaded: int = 0
+    segments_loaded: int = 0  # every record verified in the store (``partial`` ones included)
     segments_skipped: int = 0  # already ingested
-    segments_corrupt: int = 0
+    segments_corrupt: int = 0  # nothing in them could be loaded
+    segments_partial: int = 0  # loaded, with some records quarantined
+    segments_unverified: int = 0  # inserted but not read back whole: left in the spool for the next pass
+    records_quarantined: int = 0
     rows: int = 0  # rows of every kind
     records: int = 0  # tensor records
     payload_bytes: int = 0
+    paused: str = ""  # why ingest is paused ("" when it is not)
+    missing_segments: set[str] = field(default_factory=set)  # raw segments absent from a writer's run of numbers
+    # (run_id, attempt, rank of the spool folder) -> [records, payload bytes] verified in the store
+    verified: dict[tuple[str, int, int], list[int]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
     def add(self, other: "IngestResult") -> None:
-        self.segments_loaded += other.segments_loaded
-        self.segments_skipped += other.segments_skipped
-        self.segments_corrupt += other.segments_corrupt
-        self.rows += other.rows
-        self.records += other.records
-        self.payload_bytes += other.payload_bytes
-        self.errors.extend(other.errors)
+        for name in ("segments_loaded", "segments_skipped", "segments_corrupt", "segments_partial",
+                     "segments_unverified", "records_quarantined", "rows", "records", "payload_bytes"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.paused = other.paused
+        self.missing_segments |= other.missing_segments
+        for k, (n, b) in other.verified.items():
+            mine = self.verified.setdefault(k, [0, 0])
+            mine[0] += n
+            mine[1] += b
+        self.errors.extend(e for e in other.errors if e not in self.errors)  # a stuck segment: said once
+
+    def note(self, msg: str, level: int = logging.ERROR) -> None:
+        if msg not in self.errors:
+            self.errors.append(msg)
+            log.log(level, "DMI: %s", msg)
 
 
 def _now() -> datetime:
@@ -98,8 +161,16 @@ def _now() -> datetime:
 
 
 def known_segment_ids(backend: Backend) -> set[str]:
-    t = backend.query_arrow(f"SELECT segment_id FROM {backend.t('segments')} WHERE status = 'ok'")
+    t = backend.query_arrow(f"SELECT segment_id FROM {backend.t('segments')}")
     return set(t.column("segment_id").to_pylist())
+
+
+@dataclass
+class _Pending:
+    seg: Segment
+    sid: str
+    table: pa.Table
+    problems: str  # "" for a clean segment
 
 
 def ingest_spool(
@@ -109,22 +180,44 @@ def ingest_spool(
     ranks: set[int] | None = None,
     delete: bool = False,
     known: set[str] | None = None,
+    credited: set[str] | None = None,
     max_batch_bytes: int = 256 << 20,
     progress: Callable[[int], None] | None = None,
 ) -> IngestResult:
     """Load every complete segment under ``spool_root`` that the store does not hold yet.
 
-    Segments are read and validated one by one (a corrupt or truncated segment is reported,
-    renamed ``*.corrupt`` when ``delete`` (the store owns the spool) and skipped; the rest load),
-    then inserted in batches of up to ``max_batch_bytes`` per kind. Only after a batch is in are
-    its segment ids recorded and, with ``delete``, its files removed. ``progress(n_bytes)`` is
-    called as segments are consumed.
+    Each segment is verified (every CRC and total, ``verify_segment``): what does not verify is
+    quarantined (``dmi.quarantine``) and the rest loads; a segment with nothing loadable is
+    reported, recorded and, when ``delete`` (the store owns the spool), renamed ``*.corrupt``.
+    Segments are inserted in batches of up to ``max_batch_bytes`` per kind, and every batch is
+    read back: only segments whose rows are all found in the store are recorded in
+    ``dmi.segments`` and, with ``delete``, removed (a partly quarantined one is renamed
+    ``*.corrupt`` instead); the others stay for the next pass. No batch is inserted while the
+    store's file system has less than ``min_free_bytes()`` free. ``progress(n_bytes)`` is called as
+    segments are consumed. A tensor segment's records count in ``IngestResult.verified`` once all
+    of them are read back, even if its derived rows were not (it then stays for those), and only
+    once per id in ``credited`` (pass the same set to every pass).
     """
     res = IngestResult()
     if known is None:
         known = known_segment_ids(backend)
+    credited = set() if credited is None else credited
+    min_free = min_free_bytes()
+
+    def too_full() -> bool:
+        free = backend.free_bytes()
+        if free is not None and free < min_free:
+            res.paused = (f"ingest paused: the store's file system has {free / 2**20:.1f} MiB free, below the "
+                          f"{min_free / 2**20:.0f} MiB margin (${MIN_FREE_ENV}); segments wait in the spool")
+        return bool(res.paused)
+
+    if too_full():  # not even worth reading the segments
+        res.note(res.paused)
+        return res
     segments = list_segments(spool_root, ranks)
-    pending: dict[str, list[tuple[Segment, str, pa.Table]]] = {}
+    numbering: dict[str, tuple[int, int, set[int]]] = {}  # raw writer -> (first seq, rank, seqs seen)
+    raw_on_disk = {(s.rank, s.seq) for s in segments if s.raw}  # damaged ones too: those are not missing
+    pending: dict[str, list[_Pending]] = {}
     pending_bytes: dict[str, int] = {}
 
     def commit(kind: str) -> None:
@@ -132,78 +225,164 @@ def ingest_spool(
         pending_bytes.pop(kind, None)
         if not batch:
             return
-        tables = [t for _, _, t in batch]
-        load_table(backend, kind, pa.concat_tables(tables) if len(tables) > 1 else tables[0])
+        if too_full():
+            return
+        tables = [p.table for p in batch]
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        missing = np.zeros(table.num_rows, dtype=bool)
+        derived_missing = 0
+        for name, t in load_table(backend, kind, table):
+            m = rows_missing(backend, name, t)
+            if name == kind:
+                missing = m
+            else:
+                derived_missing += int(m.sum())
         now = _now()
         rows = {n: [] for n in S.SEGMENTS_SCHEMA.names}
-        for seg, sid, t in batch:
-            rows["segment_id"].append(sid)
-            rows["path"].append(os.path.relpath(seg.path, spool_root))
-            rows["kind"].append(kind)
-            rows["rank"].append(seg.rank)
-            rows["rows"].append(t.num_rows)
-            rows["bytes"].append(seg.size)
-            rows["status"].append("ok")
-            rows["error"].append("")
-            rows["ingested_at"].append(now)
-        backend.insert_arrow("segments", pa.Table.from_pydict(rows, schema=S.SEGMENTS_SCHEMA))
-        for seg, sid, t in batch:
-            known.add(sid)
+        done: list[_Pending] = []
+        start = 0
+        for p in batch:
+            n = p.table.num_rows
+            lost = int(missing[start : start + n].sum())
+            start += n
+            if kind == "tensors" and not lost and p.sid not in credited:  # its records are in the store
+                credited.add(p.sid)
+                _count_verified(res, p.table, p.seg.rank)
+            if lost or derived_missing:
+                res.segments_unverified += 1
+                what = (f"{lost} of {n} row(s)" if lost else
+                        f"{derived_missing} derived row(s) of its batch (its own {n} are in)")
+                res.note(f"{p.seg.path}: {what} not found in the store after the insert; the segment stays in "
+                         f"the spool and is retried")
+                continue
+            done.append(p)
+            for k, v in (("segment_id", p.sid), ("path", os.path.relpath(p.seg.path, spool_root)), ("kind", kind),
+                         ("rank", p.seg.rank), ("rows", n), ("bytes", p.seg.size),
+                         ("status", "partial" if p.problems else "ok"), ("error", p.problems[:2000]),
+                         ("ingested_at", now)):
+                rows[k].append(v)
+        if done:
+            backend.insert_arrow("segments", pa.Table.from_pydict(rows, schema=S.SEGMENTS_SCHEMA))
+        for p in done:
+            known.add(p.sid)
             res.segments_loaded += 1
-            res.rows += t.num_rows
+            res.segments_partial += bool(p.problems)
+            res.rows += p.table.num_rows
             if kind == "tensors":
-                res.records += t.num_rows
-                res.payload_bytes += int(pc.sum(t.column("nbytes")).as_py() or 0)
+                res.records += p.table.num_rows
+                res.payload_bytes += int(pc.sum(p.table.column("nbytes")).as_py() or 0)
             if delete:
-                try:
-                    os.unlink(seg.path)
-                except OSError:
-                    pass
+                _retire(p.seg, keep=bool(p.problems))
 
     for seg in segments:
         size = seg.size
         try:
             sid = peek_segment_id(seg)
+            if seg.raw:
+                writer, seq, first = raw_segment.numbering(seg.path)
+                numbering.setdefault(writer, (first, seg.rank, set()))[2].add(seq)
             if sid in known:
                 res.segments_skipped += 1
                 if delete:
-                    try:
-                        os.unlink(seg.path)
-                    except OSError:
-                        pass
+                    _retire(seg, keep=False)
                 if progress:
                     progress(size)
                 continue
-            table = read_segment(seg)
-        except (CorruptSegmentError, OSError) as e:
-            msg = str(e)
+            v = verify_segment(seg)
+        except Exception as e:  # whatever is wrong with one segment, the ones behind it still load
+            msg = str(e) if isinstance(e, (CorruptSegmentError, OSError)) else f"{seg.path}: {type(e).__name__}: {e}"
             res.segments_corrupt += 1
-            res.errors.append(msg)
-            log.error("DMI: corrupt spool segment skipped: %s", msg)
+            res.note(f"corrupt spool segment skipped: {msg}")
             _record_corrupt(backend, seg, spool_root, msg)
             if delete:
-                try:
-                    os.rename(seg.path, seg.path + ".corrupt")
-                except OSError:
-                    pass
+                _retire(seg, keep=True)
             if progress:
                 progress(size)
             continue
-        pending.setdefault(seg.kind, []).append((seg, sid, table))
-        pending_bytes[seg.kind] = pending_bytes.get(seg.kind, 0) + table.nbytes
-        if pending_bytes[seg.kind] >= max_batch_bytes:
-            commit(seg.kind)
+        problems = "" if v.clean else v.summary(seg.path)
+        if problems:
+            res.records_quarantined += sum(q.row >= 0 for q in v.quarantined)
+            res.note(f"spool segment failed verification: {problems}")
+            _record_quarantine(backend, seg, sid, spool_root, v)
+        if v.table.num_rows == 0:
+            res.segments_corrupt += 1
+            _record_corrupt(backend, seg, spool_root, problems, sid)
+            known.add(sid)
+            if delete:
+                _retire(seg, keep=True)
+        else:
+            pending.setdefault(seg.kind, []).append(_Pending(seg, sid, v.table, problems))
+            pending_bytes[seg.kind] = pending_bytes.get(seg.kind, 0) + v.table.nbytes
+            if pending_bytes[seg.kind] >= max_batch_bytes:
+                commit(seg.kind)
         if progress:
             progress(size)
     for kind in list(pending):
         commit(kind)
+    _check_numbering(backend, numbering, raw_on_disk, res)
+    if res.paused:
+        res.note(res.paused)
     return res
 
 
-def _record_corrupt(backend: Backend, seg: Segment, spool_root: str, msg: str) -> None:
-    import hashlib
+def _count_verified(res: IngestResult, table: pa.Table, rank: int) -> None:
+    """Credit a verified segment's records to the rank whose folder it came from (its writer)."""
+    by = table.group_by(["run_id", "attempt"]).aggregate([("nbytes", "sum"), ("nbytes", "count")])
+    for run, attempt, nbytes, n in zip(*(by.column(c).to_pylist() for c in
+                                         ("run_id", "attempt", "nbytes_sum", "nbytes_count"))):
+        mine = res.verified.setdefault((run, attempt, rank), [0, 0])
+        mine[0] += n
+        mine[1] += nbytes or 0
 
-    sid = "corrupt:" + hashlib.sha1(f"{os.path.abspath(seg.path)}:{seg.size}".encode()).hexdigest()
+
+def _retire(seg: Segment, keep: bool) -> None:
+    """A consumed segment leaves the spool: deleted, or renamed ``*.corrupt`` when part of it
+    did not verify (its bytes stay for inspection; nothing reads that name)."""
+    try:
+        if keep:
+            os.rename(seg.path, seg.path + ".corrupt")
+        else:
+            os.unlink(seg.path)
+    except OSError:
+        pass
+
+
+def _check_numbering(backend: Backend, numbering: dict, on_disk: set[tuple[int, int]], res: IngestResult) -> None:
+    """A raw writer numbers its segments without gaps from ``first_seq``: a number neither in the
+    spool nor in ``dmi.segments`` is a segment that went missing (deleted before it was loaded).
+    A missing last segment cannot be told apart from one never written."""
+    for writer, (first, rank, seen) in numbering.items():
+        have = set(seen) | {seq for r, seq in on_disk if r == rank}
+        t = backend.query_arrow(f"SELECT segment_id FROM {backend.t('segments')} WHERE startsWith(segment_id, {{w:String}})",
+                                {"w": writer + "-"})
+        have.update(n for _, n in filter(None, map(raw_segment.writer_of, t.column("segment_id").to_pylist())))
+        gone = sorted(set(range(first, max(have) + 1)) - have)
+        if gone:
+            names = {f"rank-{rank:05d}/{n:08d}.dmiraw" for n in gone}
+            res.missing_segments |= names
+            res.note(f"spool segment(s) {', '.join(sorted(names))} of writer {writer} are missing: deleted "
+                     f"before they were loaded? Their records are lost")
+
+
+def _record_quarantine(backend: Backend, seg: Segment, sid: str, spool_root: str, v: VerifiedSegment) -> None:
+    now = _now()
+    rows = [{"segment_id": sid, "path": os.path.relpath(seg.path, spool_root), "rank": seg.rank, "row": q.row,
+             "run_id": str(q.key.get("run_id", "")), "phase": str(q.key.get("phase", "")),
+             "iteration": int(q.key.get("iteration", -1)), "attempt": int(q.key.get("attempt", -1)),
+             "key_json": json.dumps(q.key, sort_keys=True, default=str), "reason": q.reason, "quarantined_at": now}
+            for q in v.quarantined]
+    if not v.quarantined:
+        rows = [{"segment_id": sid, "path": os.path.relpath(seg.path, spool_root), "rank": seg.rank, "row": -1,
+                 "run_id": "", "phase": "", "iteration": -1, "attempt": -1, "key_json": "{}",
+                 "reason": "; ".join(v.problems), "quarantined_at": now}]
+    try:
+        backend.insert_arrow("quarantine", pa.Table.from_pylist(rows, schema=S.QUARANTINE_SCHEMA))
+    except Exception as e:  # bookkeeping only: the error is in the result already
+        log.warning("DMI: could not record quarantined records of %s: %s", seg.path, e)
+
+
+def _record_corrupt(backend: Backend, seg: Segment, spool_root: str, msg: str, sid: str | None = None) -> None:
+    sid = sid or "corrupt:" + hashlib.sha1(f"{os.path.abspath(seg.path)}:{seg.size}".encode()).hexdigest()
     row = {"segment_id": [sid], "path": [os.path.relpath(seg.path, spool_root)], "kind": [seg.kind],
            "rank": [seg.rank], "rows": [0], "bytes": [seg.size], "status": ["corrupt"], "error": [msg[:2000]],
            "ingested_at": [_now()]}
@@ -235,8 +414,10 @@ class IngesterThread:
         self._wake = threading.Event()
         self._pass_lock = threading.Lock()
         self._known: set[str] | None = None
+        self.credited: set[str] = set()  # tensor segments whose records were read back (ingest_spool)
         self._thread: threading.Thread | None = None
         self._finalized = False
+        self._paused = False
 
     def start(self) -> "IngesterThread":
         try:
@@ -287,9 +468,14 @@ class IngesterThread:
                 return IngestResult()
             if self._known is None:
                 self._known = known_segment_ids(self.backend)
-            r = ingest_spool(self.backend, self.spool_root, delete=True, known=self._known,
+            r = ingest_spool(self.backend, self.spool_root, delete=True, known=self._known, credited=self.credited,
                              max_batch_bytes=self.max_batch_bytes)
             self.result.add(r)
+            if r.paused and not self._paused:  # loud once per episode; the report carries it too
+                warnings.warn(f"DMI: {r.paused}", RuntimeWarning, stacklevel=2)
+            elif self._paused and not r.paused:
+                log.warning("DMI: ingest resumed: the store's file system has room again")
+            self._paused = bool(r.paused)
             return r
 
     def stop(self) -> None:

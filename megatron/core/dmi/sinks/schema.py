@@ -117,9 +117,25 @@ SEGMENTS_SCHEMA = pa.schema([
     ("rank", pa.int32()),
     ("rows", pa.int64()),
     ("bytes", pa.int64()),
-    ("status", pa.string()),  # ok | corrupt
+    ("status", pa.string()),  # ok | partial (some records quarantined) | corrupt (none loaded)
     ("error", pa.string()),
     ("ingested_at", _TS),
+])
+
+# Records (``row`` >= 0: its index in the segment) or parts of segments (``row`` -1) that failed
+# verification at ingest; ``key_json`` holds what of the key could still be trusted.
+QUARANTINE_SCHEMA = pa.schema([
+    ("segment_id", pa.string()),
+    ("path", pa.string()),
+    ("rank", pa.int32()),
+    ("row", pa.int64()),
+    ("run_id", pa.string()),
+    ("phase", pa.string()),
+    ("iteration", pa.int64()),
+    ("attempt", pa.int32()),
+    ("key_json", pa.string()),
+    ("reason", pa.string()),
+    ("quarantined_at", _TS),
 ])
 
 # Kinds of spool segments and the table each one feeds.
@@ -130,7 +146,8 @@ KIND_SCHEMAS: dict[str, pa.Schema] = {
     "drops": DROPS_SCHEMA,
     "reports": REPORTS_SCHEMA,
 }
-TABLE_SCHEMAS: dict[str, pa.Schema] = dict(KIND_SCHEMAS, expert_counts=EXPERT_COUNTS_SCHEMA, segments=SEGMENTS_SCHEMA)
+TABLE_SCHEMAS: dict[str, pa.Schema] = dict(KIND_SCHEMAS, expert_counts=EXPERT_COUNTS_SCHEMA, segments=SEGMENTS_SCHEMA,
+                                           quarantine=QUARANTINE_SCHEMA)
 
 # --------------------------------------------------------------------------------------------
 # ClickHouse DDL
@@ -193,9 +210,10 @@ ORDER_BY: dict[str, tuple[str, ...]] = {
               "invocation", "shard_index", "token_start"),
     "reports": ("run_id", "attempt", "rank", "sink"),
     "segments": ("segment_id",),
+    "quarantine": ("segment_id", "row", "reason"),
 }
 
-TABLES = ("tensors", "expert_counts", "runs", "topology", "drops", "reports", "segments")
+TABLES = ("tensors", "expert_counts", "runs", "topology", "drops", "reports", "segments", "quarantine")
 
 
 def ddl(database: str = DEFAULT_DATABASE) -> list[str]:

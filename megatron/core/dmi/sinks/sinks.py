@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from typing import Sequence
 
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401  (pa.compute)
+import pyarrow.compute as pc
 
 from megatron.core.dmi.records import ParallelCoords, RecordKey, table_nbytes
 from megatron.core.dmi.sinks import schema as S
@@ -38,6 +38,7 @@ from megatron.core.dmi.sinks.meta import (
     runs_table,
     topology_table,
 )
+from megatron.core.dmi.sinks.owner import claim_rank_dir, release_rank_dir
 from megatron.core.dmi.sinks.spool import SpoolWriter
 
 log = logging.getLogger("megatron.core.dmi.sinks")
@@ -112,6 +113,7 @@ class _BufferedSink(DMISink):
         super().__init__(run_id, coords)
         self.spool_root = spool_root
         self.spool = SpoolWriter(spool_root, coords.rank, run_id)
+        claim_rank_dir(self.spool.dir, run_id)  # refuses a second live run on this store, before any write
         self.segment_bytes = segment_bytes
         self.segment_records = segment_records
         self.segment_seconds = segment_seconds
@@ -198,6 +200,7 @@ class _BufferedSink(DMISink):
         with self._io_lock:
             self._emit_meta("reports", report_table(self.run_id, self.attempt, self.coords.rank, self.report))
         self._after_close()
+        release_rank_dir(self.spool.dir)
         if self.report.records_dropped:
             log.warning("DMI sink (rank %d): %s", self.coords.rank, self.report.summary())
         return self.report
@@ -231,7 +234,7 @@ class _BufferedSink(DMISink):
         if batch:
             table = pa.concat_tables(batch)
             if self.attempt == 0:
-                self.attempt = int(pa.compute.max(table.column("attempt")).as_py())
+                self.attempt = int(pc.max(table.column("attempt")).as_py())
             self._submit_records(table, rows, nbytes)
         if not records_only:
             self._wait_writers()
@@ -369,33 +372,49 @@ class EmbeddedSink(SpoolSink):
         if self.ingester is not None:
             self._final_pass(close=False)
             if self.ingester.owner:
-                self._count_leftover_spool()
+                self._settle_written()
 
-    def _count_leftover_spool(self) -> None:
-        """Our tensor segments the final ingest could not load (e.g. the store refused inserts) are
-        not in the store: report them as spooled (a reader or ``load`` picks them up), not written."""
-        from megatron.core.dmi.sinks.spool import CorruptSegmentError, list_segments, segment_rows_bytes
+    def _settle_written(self) -> None:
+        """``written`` becomes what the ingester read back from the store for this rank's records
+        of this attempt. Of the rest, what still lies readable in our spool folder is ``spooled``
+        (a reader or ``load`` picks it up); anything else (quarantined as corrupt, or a segment
+        that vanished) is ``dropped``, with an error saying so."""
+        from megatron.core.dmi.sinks.spool import CorruptSegmentError, list_segments, peek_segment_id, verify_segment
 
-        rows = nbytes = 0
+        mine = (self.run_id, self.attempt, self.coords.rank)
+        left_rows = left_bytes = 0
         for seg in list_segments(self.spool_root, ranks={self.coords.rank}):
             if seg.kind != "tensors":
                 continue
             try:
-                r, b = segment_rows_bytes(seg)
-            except CorruptSegmentError:  # a corrupt leftover is reported by the ingester already
+                if peek_segment_id(seg) in self.ingester.credited:  # its records are in the store already
+                    continue
+                t = verify_segment(seg).table
+            except CorruptSegmentError:  # reported by the ingester already
                 continue
-            rows += r
-            nbytes += b
-        if rows:
-            with self._buf_lock:
-                moved = min(rows, self.report.records_written)
-                self.report.records_written -= moved
-                self.report.bytes_written = max(0, self.report.bytes_written - nbytes)
-                self.report.records_spooled += moved
-                self.report.bytes_spooled += nbytes
+            t = t.filter(pc.and_(pc.equal(t.column("run_id"), self.run_id), pc.equal(t.column("attempt"), self.attempt)))
+            left_rows += t.num_rows
+            left_bytes += table_nbytes(t)
+        with self._buf_lock:
+            rep = self.report
+            stored, stored_bytes = self.ingester.result.verified.get(mine, (0, 0))
+            stored, stored_bytes = min(stored, rep.records_written), min(stored_bytes, rep.bytes_written)
+            left_rows = min(left_rows, rep.records_written - stored)
+            lost = rep.records_written - stored - left_rows
+            lost_bytes = max(0, rep.bytes_written - stored_bytes - left_bytes)
+            rep.records_written, rep.bytes_written = stored, stored_bytes
+            rep.records_spooled += left_rows
+            rep.bytes_spooled += left_bytes
+            rep.records_dropped += lost
+            rep.bytes_dropped += lost_bytes
+            if lost:
+                rep.errors.append(f"{lost} record(s) this rank spooled are neither in the store nor in the spool "
+                                  f"(quarantined as corrupt, or their segment vanished): see dmi.quarantine and "
+                                  f"dmi.segments")
+        if left_rows:
             log.warning("DMI rank %d: %d record(s) could not be loaded into the store and remain in %s; "
                         "opening the store (python -m megatron.core.dmi show %s) loads them",
-                        self.coords.rank, rows, self.spool.dir, self.store_dir)
+                        self.coords.rank, left_rows, self.spool.dir, self.store_dir)
 
     def _after_close(self) -> None:
         if self.ingester is not None:

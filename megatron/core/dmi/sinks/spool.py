@@ -8,7 +8,10 @@ Layout under a store directory::
 
 ``.dmiraw`` segments come from the native ring's C++ spool writer (csrc/dmi/spool_writer.h: the
 record descriptors and payloads as they left the ring, plus each site's static key); they read
-back as the same tensor table as a Parquet segment. Their numbers count on their own.
+back as the same tensor table as a Parquet segment. Their numbers count on their own. Every
+segment verifies itself (format 2 raw segments: a CRC over every block and a footer with totals,
+read by ``raw_segment``; Parquet: page CRCs and a row count), and ``verify_segment`` separates
+what verifies from what does not.
 
 A segment is written to a hidden temporary name in the same folder and renamed to its final name,
 so a killed process leaves either the whole segment or only a ``.tmp`` file that nothing reads.
@@ -23,39 +26,35 @@ idempotent by that id, whatever the file is called.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
-import struct
 import threading
 import uuid
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from megatron.core.dmi.errors import DMIError
-from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, RecordKey, descriptor_table, table_nbytes
+from megatron.core.dmi.records import table_nbytes
+from megatron.core.dmi.sinks import raw_segment
 from megatron.core.dmi.sinks import schema as S
+from megatron.core.dmi.sinks.raw_segment import CorruptSegmentError, Quarantined, VerifiedSegment
 
 SEGMENT_RE = re.compile(r"^(?:(?P<kind>[a-z_]+)-(?P<mseq>\d{8})\.parquet|(?P<seq>\d{8})\.(?P<ext>parquet|dmiraw))$")
 RAW_EXT = "dmiraw"
 RAW_NAME_RE = re.compile(r"^(\d{8})\.dmiraw$")
-RAW_MAGIC, SITE_MAGIC, RECS_MAGIC = b"DMIRAW01", b"DMISITE1", b"DMIRECS1"
 RANK_DIR_RE = re.compile(r"^rank-(?P<rank>\d{5,})$")
 META_ID = b"dmi.segment_id"
 META_KIND = b"dmi.kind"
 META_VERSION = b"dmi.schema_version"
 META_RANK = b"dmi.rank"
 META_RUN = b"dmi.run_id"
+META_ROWS = b"dmi.rows"  # a Parquet segment's row count, checked on read (with its page CRCs)
 
 # Columns small enough to profit from dictionary encoding in Parquet; payload never does.
 _DICT_COLUMNS = ["run_id", "phase", "output", "dtype", "reason", "hostname", "sink"]
-
-
-class CorruptSegmentError(DMIError, RuntimeError):
-    pass
 
 
 def rank_dir(spool_root: str, rank: int) -> str:
@@ -100,7 +99,8 @@ class SpoolWriter:
         if self._dir_ready:
             return
         os.makedirs(self.dir, exist_ok=True)
-        # This folder belongs to this rank alone: a temporary file here is a leftover of a crash.
+        # This folder belongs to this rank of this process alone (claim_rank_dir): a temporary
+        # file here is a leftover of a crash.
         # Continue numbering after every segment already present (a resumed attempt may share it).
         top = 0
         for name in os.listdir(self.dir):
@@ -123,7 +123,7 @@ class SpoolWriter:
             self._prepare()
         top = max((int(m.group(1)) for m in map(RAW_NAME_RE.match, os.listdir(self.dir)) if m), default=0)
         header = {"kind": "tensors", "schema_version": S.SCHEMA_VERSION, "rank": self.rank, "run_id": self.run_id,
-                  "writer_id": uuid.uuid4().hex}
+                  "writer_id": uuid.uuid4().hex, "first_seq": top + 1}  # segment numbers then run without gaps
         return {"directory": self.dir, "first_seq": top + 1, "header": header, "segment_bytes": segment_bytes}
 
     def adopt(self, path: str, rows: int) -> None:
@@ -147,7 +147,7 @@ class SpoolWriter:
         meta = dict(table.schema.metadata or {})
         meta.update({META_ID: uuid.uuid4().hex.encode(), META_KIND: kind.encode(),
                      META_VERSION: str(S.SCHEMA_VERSION).encode(), META_RANK: str(self.rank).encode(),
-                     META_RUN: self.run_id.encode()})
+                     META_RUN: self.run_id.encode(), META_ROWS: str(table.num_rows).encode()})
         table = table.replace_schema_metadata(meta)
         try:
             pq.write_table(
@@ -161,6 +161,7 @@ class SpoolWriter:
                 use_dictionary=[c for c in _DICT_COLUMNS if c in table.schema.names],
                 write_statistics=[c for c in table.schema.names if c != "payload"],
                 row_group_size=max(1, min(table.num_rows, 8192)),
+                write_page_checksum=True,  # every page, keys included, verifies on read
             )
             if durable:
                 _fsync_path(tmp)
@@ -258,7 +259,7 @@ def segment_id_of(seg: Segment, metadata: dict | None) -> str:
 def peek_segment_id(seg: Segment) -> str:
     """The segment's id from its footer (Parquet) or header (raw) alone; raises CorruptSegmentError."""
     if seg.raw:
-        return _raw_segment_id(_raw_header(seg.path)[0])
+        return raw_segment.segment_id(raw_segment.read_header(seg.path)[0])
     try:
         md = pq.read_schema(seg.path).metadata
     except Exception as e:
@@ -266,60 +267,24 @@ def peek_segment_id(seg: Segment) -> str:
     return segment_id_of(seg, md)
 
 
-def _raw_header(path: str) -> tuple[dict, int]:
-    """A raw segment's header (with its ``seq``) and where its first block starts."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(24)
-            magic, seq, n = struct.unpack("<8sQQ", head) if len(head) == 24 else (b"", 0, 0)
-            if magic != RAW_MAGIC:
-                raise CorruptSegmentError(f"{path}: not a DMI raw segment (bad magic)")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError) as e:
-        raise CorruptSegmentError(f"{path}: unreadable raw segment header ({type(e).__name__}: {e})") from None
-    header["seq"] = seq
-    return header, 24 + n + (-n) % 8
-
-
-def _raw_segment_id(header: dict) -> str:
-    """Unique per segment: the writer's id (new at every start) and the segment's number."""
-    return f"{header.get('writer_id', 'raw')}-{header['seq']}"
+def verify_raw_segment(path: str) -> VerifiedSegment:
+    """A ``.dmiraw`` segment's verified records (``raw_segment.verify``) as the tensor table, with
+    the segment metadata a Parquet segment carries."""
+    header, v = raw_segment.verify(path)
+    meta = {META_ID: raw_segment.segment_id(header).encode(), META_KIND: b"tensors",
+            META_VERSION: str(S.SCHEMA_VERSION).encode(), META_RANK: str(header.get("rank", "")).encode(),
+            META_RUN: str(header.get("run_id", "")).encode()}
+    v.table = v.table.replace_schema_metadata(meta)
+    return v
 
 
 def read_raw_segment(path: str) -> pa.Table:
-    """A ``.dmiraw`` segment as the tensor table; the payload column views the memory-mapped file."""
-    header, pos = _raw_header(path)
-    if header.get("schema_version") != S.SCHEMA_VERSION:
-        raise CorruptSegmentError(f"{path}: raw segment of schema version {header.get('schema_version')}, "
-                                  f"this megatron-dmi loads version {S.SCHEMA_VERSION}")
-    buf = pa.memory_map(path).read_buffer()
-    words = len(DESCRIPTOR_COLUMNS)
-    sites: dict[int, RecordKey] = {}
-    tables = []
-    try:
-        while pos < buf.size:
-            magic, a, b = struct.unpack_from("<8sQQ", buf, pos)
-            pos += 24
-            if magic == SITE_MAGIC:
-                sites[a] = RecordKey.from_flat(json.loads(buf.slice(pos, b).to_pybytes()))
-                pos += b + (-b) % 8
-            elif magic == RECS_MAGIC:
-                rows = np.frombuffer(buf, dtype=np.uint64, count=a * words, offset=pos).reshape(a, words)
-                pos += a * words * 8
-                if pos + b > buf.size:
-                    raise ValueError("payload runs past the end of the file")
-                tables.append(descriptor_table(sites, rows, buf.slice(pos, b)))  # KeyError: undefined site
-                pos += b + (-b) % 8
-            else:
-                raise ValueError(f"unknown block {magic!r} at byte {pos - 24}")
-    except (ValueError, KeyError, struct.error, json.JSONDecodeError) as e:
-        raise CorruptSegmentError(f"{path}: damaged raw segment ({type(e).__name__}: {e})") from None
-    meta = {META_ID: _raw_segment_id(header).encode(), META_KIND: b"tensors",
-            META_VERSION: str(S.SCHEMA_VERSION).encode(), META_RANK: str(header.get("rank", "")).encode(),
-            META_RUN: str(header.get("run_id", "")).encode()}
-    schema = S.KIND_SCHEMAS["tensors"]
-    table = pa.concat_tables(tables) if tables else schema.empty_table()
-    return table.replace_schema_metadata(meta)
+    """A whole, intact ``.dmiraw`` segment as the tensor table; CorruptSegmentError if any part of
+    it does not verify (``verify_raw_segment`` keeps the parts that do)."""
+    v = verify_raw_segment(path)
+    if not v.clean:
+        raise CorruptSegmentError("damaged raw segment " + v.summary(path))
+    return v.table
 
 
 def segment_rows_bytes(seg: Segment) -> tuple[int, int]:
@@ -340,10 +305,12 @@ def read_segment(seg: Segment) -> pa.Table:
         return read_raw_segment(seg.path)
     expected = S.KIND_SCHEMAS[seg.kind]
     try:
-        table = pq.read_table(seg.path)
+        table = pq.read_table(seg.path, page_checksum_verification=True)
     except Exception as e:
         raise CorruptSegmentError(f"{seg.path}: cannot read ({type(e).__name__}: {e})") from None
     md = table.schema.metadata or {}
+    if META_ROWS in md and int(md[META_ROWS]) != table.num_rows:
+        raise CorruptSegmentError(f"{seg.path}: holds {table.num_rows} rows, its metadata says {int(md[META_ROWS])}")
     version = md.get(META_VERSION)
     if version is not None and int(version) != S.SCHEMA_VERSION:
         raise CorruptSegmentError(
@@ -358,7 +325,38 @@ def read_segment(seg: Segment) -> pa.Table:
     return table
 
 
+def _payload_checks(table: pa.Table) -> np.ndarray:
+    """True for each row of a tensor table whose payload matches its ``checksum``."""
+    ok = np.empty(table.num_rows, dtype=bool)
+    want = table.column("checksum").to_numpy()
+    i = 0
+    for chunk in table.column("payload").chunks:
+        offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int64, count=len(chunk) + 1, offset=chunk.offset * 8)
+        data = memoryview(chunk.buffers()[2]) if chunk.buffers()[2] is not None else memoryview(b"")
+        for j in range(len(chunk)):
+            ok[i] = zlib.crc32(data[offsets[j] : offsets[j + 1]]) == want[i]
+            i += 1
+    return ok
+
+
+def verify_segment(seg: Segment) -> VerifiedSegment:
+    """A segment's records that verify (every CRC, the totals) and the ones that do not; raises
+    CorruptSegmentError when nothing in it can be trusted (bad header, unreadable Parquet)."""
+    if seg.raw:
+        return verify_raw_segment(seg.path)
+    table = read_segment(seg)
+    if seg.kind != "tensors" or table.num_rows == 0:
+        return VerifiedSegment(table, [], [])
+    ok = _payload_checks(table)
+    if ok.all():
+        return VerifiedSegment(table, [], [])
+    keys = table.drop_columns(["payload", "nbytes", "checksum", "shape"]).filter(pa.array(~ok)).to_pylist()
+    bad = [Quarantined(int(i), "payload CRC mismatch", k) for i, k in zip(np.flatnonzero(~ok), keys)]
+    return VerifiedSegment(table.filter(pa.array(ok)), bad, [])
+
+
 __all__ = [
     "SpoolWriter", "Segment", "list_segments", "read_segment", "read_raw_segment", "segment_rows_bytes",
-    "peek_segment_id", "CorruptSegmentError", "rank_dir",
+    "peek_segment_id", "CorruptSegmentError", "rank_dir", "verify_segment", "verify_raw_segment", "VerifiedSegment",
+    "Quarantined",
 ]

@@ -254,3 +254,69 @@ def ingest_while_running(store_dir: str) -> dict:
     loaded = sink.ingester.result.segments_loaded
     rep = sink.close()
     return {"emptied": emptied, "loaded_before_close": loaded, "report": dataclasses.asdict(rep)}
+
+
+def ingest_and_count(store_dir: str, spool: str, env: dict | None = None) -> dict:
+    """``ingest_spool`` (deleting what it loads) into the chDB store under ``store_dir``; returns
+    its result and, by plain SQL, the stored tensors, quarantine rows and segment rows."""
+    from megatron.core.dmi.sinks import ChdbBackend
+    from megatron.core.dmi.sinks.ingest import ingest_spool
+
+    os.environ.update(env or {})
+    b = ChdbBackend(os.path.join(store_dir, "chdb"))
+    try:
+        b.ensure_schema()
+        r = ingest_spool(b, spool, delete=True)
+        q = lambda sql: b.query_arrow(sql).to_pylist()  # noqa: E731
+        return {"result": dataclasses.asdict(r),
+                "tensors": q("SELECT phase, iteration, microbatch, layer, payload FROM dmi.tensors FINAL"),
+                "quarantine": q("SELECT row, reason, iteration FROM dmi.quarantine ORDER BY row"),
+                "segments": q("SELECT status, rows FROM dmi.segments WHERE kind = 'tensors'")}
+    finally:
+        b.close()
+
+
+def hold_spool_open(store_dir: str, ready: str, release: str) -> dict:
+    """A run's native spool writer with a segment open (a `.tmp` file) until ``release`` exists;
+    then it closes. Returns its report and the records its segments hold."""
+    from megatron.core.dmi.drain import Drain
+    from megatron.core.dmi.sinks import SpoolSink
+    from megatron.core.dmi.sinks.spool import list_segments, segment_rows_bytes
+    from megatron.core.dmi.transport.native import NativeRingTransport
+
+    ring = NativeRingTransport(4 << 20, "block", "cpu")
+    sink = SpoolSink(RUN, ParallelCoords(rank=0), os.path.join(store_dir, "spool"), segment_bytes=1 << 30)
+    drain = Drain(ring, sink, linger_bytes=0)
+    records = moe_records()
+    for r in records:
+        assert ring.publish(r.key, r.tensor())
+    deadline = time.time() + 30
+    while ring.spool_stats()["open_rows"] < len(records) and time.time() < deadline:
+        time.sleep(0.01)
+    open(ready, "w").close()
+    while not os.path.exists(release) and time.time() < deadline:
+        time.sleep(0.01)
+    drain.close()
+    ring.close()
+    rep = sink.close()
+    held = sum(segment_rows_bytes(s)[0] for s in list_segments(os.path.join(store_dir, "spool")) if s.raw)
+    return {"report": dataclasses.asdict(rep), "held": held, "published": len(records)}
+
+
+def start_second_writer(store_dir: str, ready: str, release: str) -> str:
+    """A second run on the same store while the first writes: its sink refuses to start (the
+    message), or starts and prepares its native writer as a run would ("started")."""
+    from megatron.core.dmi.sinks import SpoolSink
+    from megatron.core.dmi.sinks.owner import StoreInUseError
+
+    deadline = time.time() + 30
+    while not os.path.exists(ready) and time.time() < deadline:
+        time.sleep(0.01)
+    try:
+        sink = SpoolSink("run-b", ParallelCoords(rank=0), os.path.join(store_dir, "spool"))
+        sink.spool.native_target(1 << 20)
+        return "started"
+    except StoreInUseError as e:
+        return str(e)
+    finally:
+        open(release, "w").close()

@@ -1,0 +1,62 @@
+"""One run per store: the process that writes a rank's spool folder holds an exclusive ``flock``
+beside it, with who it is written inside, so a second run on the same ``--dmi-store-dir`` is
+refused at start-up instead of deleting or overwriting the first run's open segments.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import threading
+import time
+
+
+class StoreInUseError(SystemExit):
+    """Another live process writes this rank's spool folder (a second run on the same
+    ``--dmi-store-dir``). A SystemExit, so the run stops at start-up with this one line and no
+    traceback, before it writes anything."""
+
+
+_owned: dict[str, list] = {}  # rank folder -> [lock fd, users] held by this process
+_owned_lock = threading.Lock()
+
+
+def claim_rank_dir(folder: str, run_id: str) -> None:
+    """Make this process the one writer of ``folder`` for as long as it holds the claim (another
+    process's spool writer would delete or overwrite our open segments); StoreInUseError names
+    the holder. Claims by one process nest (``release_rank_dir`` once per claim)."""
+    folder = os.path.realpath(folder)
+    with _owned_lock:
+        if folder in _owned:
+            _owned[folder][1] += 1
+            return
+        os.makedirs(folder, exist_ok=True)
+        # Beside the folder, not in it: the folder empties as the ingester consumes it.
+        lock = os.path.join(os.path.dirname(folder), f".{os.path.basename(folder)}.owner.lock")
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown process"
+            os.close(fd)
+            store = os.path.dirname(os.path.dirname(folder))
+            raise StoreInUseError(
+                f"error: --dmi-store-dir {store} is in use by another DMI run ({holder}); two runs cannot share "
+                f"a store directory: give this run its own --dmi-store-dir, or wait for that run to end") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, run {run_id or '?'}, since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)
+        _owned[folder] = [fd, 1]
+
+
+def release_rank_dir(folder: str) -> None:
+    folder = os.path.realpath(folder)
+    with _owned_lock:
+        held = _owned.get(folder)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] == 0:
+            del _owned[folder]
+            os.close(held[0])  # drops the flock
