@@ -250,7 +250,9 @@ def cmd_load(args) -> int:
 
 def cmd_export(args) -> int:
     with _open(args) as store:
-        n = store.export_spool(args.to, args.run_id, progress=sys.stderr.isatty())
+        from megatron.core.dmi.sinks.export import export_spool
+
+        n = export_spool(store, args.to, args.run_id, progress=sys.stderr.isatty())
     print(f"exported {n} record(s) as spool segments under {args.to}; load them with "
           f"`python -m megatron.core.dmi load {args.to} --store <dir-or-url>`")
     return 0

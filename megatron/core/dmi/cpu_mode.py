@@ -2,8 +2,8 @@
 
 Active only when ``--cpu-dev-mode`` is given to pretrain_gpt.py, when tests call ``enable()``, or
 when a megatron-core loop with no GPU asks for it (examples/custom_loop.py); never otherwise. It
-lives in megatron.core.dmi so that such loops need nothing of ``megatron.training``; the patches
-for ``megatron.training`` are added only with ``enable(training=True)``. megatron-core assumes CUDA in a handful of places, and each patch below answers
+lives in megatron.core.dmi so that such loops need nothing of ``megatron.training``; the training
+entry hands ``enable`` the patches its own code needs (``extra_patches``). megatron-core assumes CUDA in a handful of places, and each patch below answers
 exactly one of them:
 
 * ``device='cuda'`` literals, ``Tensor.cuda()`` and ``torch.cuda.current_device()`` as a device:
@@ -132,18 +132,6 @@ def _torch_norm_with_sequence_parallel(original_new):
     return staticmethod(__new__)
 
 
-def _training_patches() -> list[tuple[object, str, object]]:
-    import megatron.training.arguments as mt_arguments
-    import megatron.training.initialize as mt_init
-
-    return [
-        (mt_init, "_warmup_jit_function", lambda: None),
-        # Argument validation asks the GPU's compute capability when TP or CP > 1 (for a
-        # CUDA_DEVICE_MAX_CONNECTIONS rule that needs a GPU): answer as a device without that rule.
-        (mt_arguments, "get_device_arch_version", lambda: 10),
-    ]
-
-
 def _patches() -> list[tuple[object, str, object]]:
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -188,13 +176,14 @@ _saved: list[tuple[object, str, object]] = []
 _mode: _CudaToCpu | None = None
 
 
-def enable(training: bool = False) -> None:
-    """Install the shim in this process (idempotent); ``training`` adds the patches for
-    ``megatron.training`` (pretrain_gpt.py's CPU development mode)."""
+def enable(extra_patches: list[tuple[object, str, object]] = ()) -> None:
+    """Install the shim in this process (idempotent). ``extra_patches``: more (object, attribute,
+    value) replacements, undone by ``disable`` with the rest (the training entry's, for
+    ``megatron.training``)."""
     global _mode
     if _mode is not None:
         return
-    for obj, name, value in _patches() + (_training_patches() if training else []):
+    for obj, name, value in _patches() + list(extra_patches):
         try:
             original = inspect.getattr_static(obj, name)  # keeps staticmethods intact
         except AttributeError:  # config modules serve attributes dynamically

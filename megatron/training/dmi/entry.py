@@ -89,12 +89,25 @@ def prepare_process(argv: list[str]) -> None:
         for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("NCCL_ALGO", "Ring")):
             os.environ.setdefault(var, value)
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        cpu_mode.enable(training=True)
+        cpu_mode.enable(extra_patches=_cpu_training_patches())
     elif not torch.cuda.is_available():
         sys.exit(
             "error: no CUDA GPU is visible. Megatron trains on GPUs; to try DMI on this machine with a "
             f"tiny model, add {CPU_DEV_FLAG} (see README.md)."
         )
+
+
+def _cpu_training_patches() -> list[tuple[object, str, object]]:
+    """What ``megatron.training`` needs on top of the core CPU shim."""
+    import megatron.training.arguments as mt_arguments
+    import megatron.training.initialize as mt_init
+
+    return [
+        (mt_init, "_warmup_jit_function", lambda: None),
+        # Argument validation asks the GPU's compute capability when TP or CP > 1 (for a
+        # CUDA_DEVICE_MAX_CONNECTIONS rule that needs a GPU): answer as a device without that rule.
+        (mt_arguments, "get_device_arch_version", lambda: 10),
+    ]
 
 
 def compute_device() -> torch.device:

@@ -11,7 +11,8 @@ from unittest import mock
 
 import pytest
 
-from megatron.core.dmi import catalog, doctor
+from megatron.core.dmi import catalog
+from megatron.training.dmi import docs as docs_gen
 from megatron.training.dmi.arguments import add_dmi_args
 from megatron.training.dmi.entry import extra_args_provider
 from tests.functional_tests.launch import tiny_moe_args
@@ -42,11 +43,11 @@ def test_doc_files_exist():
 
 
 def test_generated_sections_are_current():
-    for fname, sections in doctor.generated_sections().items():
+    for fname, sections in docs_gen.generated_sections().items():
         text = _read(fname)
         for name, body in sections.items():
-            block = text.split(doctor.BEGIN.format(name), 1)[1].split(doctor.END.format(name), 1)[0]
-            assert block.strip() == body.strip(), f"{fname}: run `python -m megatron.core.dmi docs --update`"
+            block = text.split(docs_gen.BEGIN.format(name), 1)[1].split(docs_gen.END.format(name), 1)[0]
+            assert block.strip() == body.strip(), f"{fname}: run `python -m megatron.training.dmi.docs --update`"
 
 
 def test_hooks_md_holds_exactly_the_catalog_table():
@@ -61,7 +62,7 @@ def test_every_dmi_flag_is_documented_with_its_default():
         if flag:
             row = next((ln for ln in usage.splitlines() if ln.startswith(f"| `{flag}` |")), None)
             assert row is not None, flag
-            assert f"`{doctor._fmt_default(a.default)}`" in row, (flag, row)
+            assert f"`{docs_gen._fmt_default(a.default)}`" in row, (flag, row)
     assert len(_dmi_flags()) >= 16
 
 
