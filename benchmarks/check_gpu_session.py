@@ -39,7 +39,10 @@ def main(root: str, out: str) -> None:
                         b["tensors"][k].view(torch.uint8) if b["tensors"][k].numel() else b["tensors"][k])
             for k in a["tensors"])
         result["tensors_bitwise_equal"]["dmi vs dmi_recompute"] = {"tensors": len(a["tensors"]), "equal": same}
-    loss = lambda n: open(os.path.join(root, f"loss_{n}.txt")).read()
+    def loss(n):
+        with open(os.path.join(root, f"loss_{n}.txt")) as f:
+            return f.read()
+
     for on, off in (("dmi", "off"), ("dmi_recompute", "off"), ("dense_graph_dmi", "dense_graph_off")):
         if os.path.exists(os.path.join(root, f"loss_{on}.txt")):
             result["loss_identical_to_dmi_off_twin"][on] = loss(on) == loss(off) and bool(loss(off).strip())

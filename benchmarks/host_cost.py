@@ -30,17 +30,17 @@ import subprocess
 import tempfile
 
 import torch
-
 from hook_clock import HookClock  # benchmarks/ is the script directory
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+
 from megatron.core import parallel_state as ps
 from megatron.core.dmi import cpu_mode
 from megatron.core.dmi.catalog import parse_hooks
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.session import DMISession
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 NEVER = 10**9  # a start iteration no run reaches: the sites fire, nothing is captured
 

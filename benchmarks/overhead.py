@@ -43,6 +43,13 @@ import time
 
 import numpy as np
 import torch
+from hook_clock import HookClock  # benchmarks/ is the script directory
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.autograd import DeviceType
 
 from megatron.core import parallel_state as ps
@@ -55,14 +62,6 @@ from megatron.core.dmi.hooks.install import rank_coords
 from megatron.core.dmi.sinks import SpoolSink
 from megatron.core.dmi.transport.native import NativeRingTransport
 from megatron.core.dmi.transport.torch_ring import TorchRingTransport
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.module import Float16Module
-from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.transformer_config import TransformerConfig
-
-from hook_clock import HookClock  # benchmarks/ is the script directory
 
 MOE_ARMS = ("off", "off_again", "router", "router_attn", "router_attn_py", "router_attn_shm", "sync_cpu", "pinned", "torch_ring")
 SHM_SPOOL = "/dev/shm/dmi_bench_spool"
@@ -430,7 +429,7 @@ def run_graphs(a, spool_root: str) -> tuple[dict, dict]:
     dmi.detach()
     times = {arm: [] for arm in GRAPH_ARMS}
     replays = 0
-    for rnd in range(a.graph_rounds or a.rounds):
+    for _rnd in range(a.graph_rounds or a.rounds):
         for arm in GRAPH_ARMS:
             gc.collect()
             for i in range(a.warmup + a.steps):

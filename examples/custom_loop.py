@@ -17,16 +17,16 @@ import os
 import socket
 
 import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.core import parallel_state as ps
 from megatron.core.dmi import cpu_mode
 from megatron.core.dmi.catalog import parse_hooks
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.session import DMISession
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 VOCAB, SEQ, MICRO_BATCH = 128, 32, 2
 

@@ -19,9 +19,9 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-import pretrain_gpt  # noqa: E402  (its import prepares the process exactly as a real run)
-
 import megatron.training.training as mt_training  # noqa: E402
+
+import pretrain_gpt  # noqa: E402  (its import prepares the process exactly as a real run)
 from megatron.core.dmi.drain import Drain  # noqa: E402
 from megatron.training.dmi import runtime as dmi_runtime  # noqa: E402
 

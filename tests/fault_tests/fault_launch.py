@@ -22,7 +22,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from megatron.training.dmi import pretrain_gpt  # noqa: E402  (its main() prepares the process as a real run)
-
 from megatron.training.dmi import runtime as dmi_runtime  # noqa: E402
 from tests.fault_tests.tmpfs import fill  # noqa: E402
 

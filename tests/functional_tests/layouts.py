@@ -35,7 +35,7 @@ class Layout:
         if not self.dense:
             return BASE_ARGS + ["--moe-token-dispatcher-type", self.dispatcher] + list(self.args)
         args, skip = [], 0
-        for i, a in enumerate(BASE_ARGS):
+        for _i, a in enumerate(BASE_ARGS):
             if skip:
                 skip -= 1
                 continue

@@ -26,14 +26,14 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from megatron.training.dmi import pretrain_gpt  # noqa: E402  (its main() prepares the process as a real run)
-
 import megatron.training.training as mt_training  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
 from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: E402
+
+from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.training import get_args  # noqa: E402
+from megatron.training.dmi import pretrain_gpt  # noqa: E402  (its main() prepares the process as a real run)
 
 oracle: dict[tuple, dict[str, torch.Tensor]] = {}
 calls: collections.Counter = collections.Counter()

@@ -8,15 +8,14 @@ what a firing inside activation recomputation means (a replay: rejected, or kept
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.records import SITE_FIRING, Firing, ParallelCoords, RecordKey, dtype_name
 from megatron.core.dmi.transport.base import Transport, capturing_graph
-
 
 # Device gate bits (native transport): a producer captured into a CUDA graph publishes on replay
 # only when the gate word has its bit. Original forwards carry GATE_ORIGINAL; producers captured

@@ -7,8 +7,9 @@ hooks, the record counts, the reader's reconstruction and docs/hooks.md all deri
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 from megatron.core.dmi.errors import DMIError
 

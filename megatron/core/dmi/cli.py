@@ -18,7 +18,7 @@ import argparse
 import importlib
 import sys
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 SetupFn = Callable[[argparse.ArgumentParser], None]
 _COMMANDS: dict[str, tuple[SetupFn, str]] = {}

@@ -27,9 +27,9 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Callable
 
 from megatron.core.dmi.cli import add_subcommand
 

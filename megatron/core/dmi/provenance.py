@@ -8,7 +8,8 @@ and ``parallel_state``), never from ``megatron.training``, so any training loop 
 from __future__ import annotations
 
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # TransformerConfig fields that decide the shapes, dtypes and values of captured outputs: how many
 # layers and which are MoE, the router's selection (top-k, score function, capacity and how it

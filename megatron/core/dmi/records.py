@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -58,7 +59,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def dtype_name(dtype: "torch.dtype") -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _names_by_dtype()[dtype]
     except KeyError:
@@ -125,7 +126,7 @@ class RecordKey:
         n = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
         return n * ITEM_SIZE[self.dtype]
 
-    def site(self) -> "RecordKey":
+    def site(self) -> RecordKey:
         """The site's key: this key with the firing fields at their defaults."""
         return dataclasses.replace(self, **SITE_FIRING._asdict())
 
@@ -133,7 +134,7 @@ class RecordKey:
     def firing(self) -> Firing:
         return Firing(self.iteration, self.microbatch, self.attempt, self.phase, self.invocation)
 
-    def fired(self, firing: Firing) -> "RecordKey":
+    def fired(self, firing: Firing) -> RecordKey:
         """This (site) key with the fields of one firing."""
         return dataclasses.replace(self, **firing._asdict())
 
@@ -145,7 +146,7 @@ class RecordKey:
         return row
 
     @classmethod
-    def from_flat(cls, row: dict) -> "RecordKey":
+    def from_flat(cls, row: dict) -> RecordKey:
         coords = ParallelCoords(**{f.name: int(row[f.name]) for f in dataclasses.fields(ParallelCoords)})
         kwargs = {}
         for f in dataclasses.fields(cls):
@@ -163,7 +164,7 @@ class Record:
     key: RecordKey
     payload: bytes
 
-    def tensor(self) -> "torch.Tensor":
+    def tensor(self) -> torch.Tensor:
         return payload_to_tensor(self.payload, self.key.dtype, self.key.shape)
 
     @property
@@ -171,7 +172,7 @@ class Record:
         return zlib.crc32(self.payload)
 
 
-def tensor_to_payload(t: "torch.Tensor") -> bytes:
+def tensor_to_payload(t: torch.Tensor) -> bytes:
     """Raw bytes of a host tensor (C order, native little-endian)."""
     import torch
 
@@ -181,7 +182,7 @@ def tensor_to_payload(t: "torch.Tensor") -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def payload_to_tensor(payload: bytes, dtype: str, shape: Sequence[int]) -> "torch.Tensor":
+def payload_to_tensor(payload: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
     import torch
 
     torch_dtype = _torch_dtypes()[dtype]

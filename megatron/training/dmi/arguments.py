@@ -111,7 +111,7 @@ def _clickhouse_url(value: str) -> str:
             f"put the password in ${PASSWORD_ENV} or --dmi-clickhouse-password-file, not in the URL"
         )
     try:
-        url.port
+        _ = url.port  # urllib parses the port lazily: ask for it to validate it
     except ValueError:
         raise argparse.ArgumentTypeError(f"bad port in {shown!r}") from None
     try:

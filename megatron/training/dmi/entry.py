@@ -7,7 +7,7 @@ import argparse
 import os
 import socket
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -15,8 +15,6 @@ import sys
 from functools import partial
 
 import torch
-
-from megatron.core import parallel_state as mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
@@ -27,10 +25,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.utils import get_batch_on_this_cp_rank
-from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
 from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.dmi import entry
 from megatron.training.utils import get_blend_and_blend_per_split
+
+from megatron.core import parallel_state as mpu
+from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
+from megatron.training.dmi import entry
 
 
 def layer_spec(args, config, vp_stage):

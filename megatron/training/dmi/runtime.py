@@ -14,17 +14,17 @@ import atexit
 import json
 import os
 
-import torch
-
 import megatron.training.training as mt_training
-from megatron.training import get_args, print_rank_0
+import torch
 from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.session import DMISession
+from megatron.training import get_args, print_rank_0
 from megatron.training.dmi.arguments import config_from_args, ring_memory_problem
 from megatron.training.dmi.entry import compute_device
-from megatron.training.dmi.scalars import RouterScalars, wanted as scalars_wanted
+from megatron.training.dmi.scalars import RouterScalars
+from megatron.training.dmi.scalars import wanted as scalars_wanted
 
 STATE_FILE = "dmi_state_iter_{:07d}.json"
 
@@ -34,10 +34,10 @@ def _dist() -> bool:
 
 
 class DMIRuntime:
-    _instance: "DMIRuntime | None" = None
+    _instance: DMIRuntime | None = None
 
     @classmethod
-    def start(cls, model=None) -> "DMIRuntime":
+    def start(cls, model=None) -> DMIRuntime:
         """Start DMI for the model chunks of this rank (a module or a list, one per virtual pipeline
         stage). Every rank must call it at the same point: it runs collectives."""
         if cls._instance is None:

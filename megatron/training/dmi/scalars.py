@@ -26,7 +26,7 @@ the writer rank (the last, where Megatron keeps its writers) and one device-to-h
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

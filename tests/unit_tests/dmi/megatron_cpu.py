@@ -7,9 +7,9 @@ import contextlib
 import socket
 
 import torch
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron.core import parallel_state as ps
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.dmi import cpu_mode
 
 

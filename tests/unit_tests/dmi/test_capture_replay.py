@@ -4,9 +4,9 @@ bitwise equal to the original."""
 
 import pytest
 import torch
+from megatron.core.tensor_parallel.random import CheckpointWithoutOutput, checkpoint
 
 from megatron.core.dmi.hooks import HookSet
-from megatron.core.tensor_parallel.random import CheckpointWithoutOutput, checkpoint
 from tests.unit_tests.dmi.hooks.model_fixtures import capture_for, tiny_gpt, tokens
 
 RECOMPUTE = {

@@ -78,8 +78,10 @@ def test_docs_link_each_other():
     usage = _read("usage.md")
     for target in ("install.md", "storage.md", "hooks.md"):
         assert f"({target}" in usage, target
-    for name in ("troubleshooting.md", "capabilities.md", "reliability.md", "install.md"):
-        assert "storage.md" in _all_docs()
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    for name in ("troubleshooting.md", "capabilities.md", "reliability.md", "install.md", "storage.md"):
+        assert f"(docs/{name})" in readme or f"({name}" in _all_docs(), name
 
 
 # -- troubleshooting covers what DMI prints --------------------------------------------------------

@@ -2,7 +2,6 @@
 compiler on PATH, an unreachable server, a wrong package version, a world-readable store)."""
 
 import os
-import stat
 import subprocess
 import sys
 

@@ -17,17 +17,16 @@ Each catalog group has one site function below (``_LAYER_SITES``, ``_BLOCK_SITES
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-
-from megatron.core import parallel_state as ps
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron.core import parallel_state as ps
 from megatron.core.dmi import catalog
 from megatron.core.dmi.capture import Capture, Placement
 from megatron.core.dmi.hooks import router as router_capture
@@ -113,7 +112,7 @@ class TokenShards:
     sequence_parallel: bool
 
     @classmethod
-    def of(cls, config, coords: ParallelCoords) -> "TokenShards":
+    def of(cls, config, coords: ParallelCoords) -> TokenShards:
         tp = tp_size()
         return cls(tp, coords.tp, bool(config.sequence_parallel) and tp > 1)
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import torch
-
 import megatron.core.transformer.moe.router as mcore_router
+import torch
 
 from megatron.core.dmi.transport import jit
 

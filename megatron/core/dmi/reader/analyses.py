@@ -21,8 +21,8 @@ wants, not what the capacity factor lets through (``Store.drop_rate`` covers tha
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import pandas as pd

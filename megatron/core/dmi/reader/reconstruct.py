@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import zlib
 from collections import defaultdict
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 

@@ -18,8 +18,9 @@ import re
 import warnings
 import zlib
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import pyarrow as pa
@@ -120,7 +121,7 @@ def resolve_store_dir(path: str) -> tuple[str, str]:
 
 
 def open_store(path_or_url: str, *, database: str = S.DEFAULT_DATABASE, ingest: bool = True,
-               password: str | None = None, progress: bool = False, writable: bool = False) -> "Store":
+               password: str | None = None, progress: bool = False, writable: bool = False) -> Store:
     """Open a store.
 
     ``path_or_url``: a store directory (``--dmi-store-dir``: holds ``chdb/`` and ``spool/``) or a
@@ -200,7 +201,7 @@ class Store:
         self._visible_cache: dict[str, dict[tuple[str, int], int]] = {}
 
     # -- plumbing ---------------------------------------------------------------------------
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -383,7 +384,7 @@ class Store:
         return out
 
     def tensor(self, run_id: str, output: str, iteration: int, microbatch: int = 0, layer: int | None = None,
-               phase: str = "train", dp: int = 0, invocation: int = 0) -> "torch.Tensor":
+               phase: str = "train", dp: int = 0, invocation: int = 0) -> torch.Tensor:
         """The full tensor rebuilt from every TP/SP/EP/CP/PP shard (see reconstruct.py for the rules).
         Raises ReconstructionError on a gap, an overlap or conflicting duplicates."""
         recs = self.records(run_id, output, iteration, microbatch, layer, phase, dp, invocation)
@@ -502,7 +503,7 @@ class Store:
         return pd.DataFrame(rows, columns=["iteration", "layer", "entropy", "entropy_normalized", "tokens"])
 
     def attention_pattern(self, run_id: str, iteration: int, microbatch: int, layer: int, head: int, batch: int = 0,
-                          phase: str = "train", dp: int = 0) -> "torch.Tensor":
+                          phase: str = "train", dp: int = 0) -> torch.Tensor:
         """[s, s] causal attention probabilities of one head, rebuilt from attn.q and attn.k
         (softmax(q k^T / sqrt(d)) with future positions masked; under GQA head h reads key group
         h // (heads / groups))."""

@@ -16,17 +16,17 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Callable
+from datetime import UTC, datetime
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from megatron.core.dmi.sinks import raw_segment
 from megatron.core.dmi.sinks import schema as S
 from megatron.core.dmi.sinks.backend import Backend, ChdbBackend, StoreBusyError
-from megatron.core.dmi.sinks import raw_segment
 from megatron.core.dmi.sinks.raw_segment import CorruptSegmentError, VerifiedSegment
 from megatron.core.dmi.sinks.spool import Segment, list_segments, peek_segment_id, verify_segment
 
@@ -138,7 +138,7 @@ class IngestResult:
     verified: dict[tuple[str, int, int], list[int]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
 
-    def add(self, other: "IngestResult") -> None:
+    def add(self, other: IngestResult) -> None:
         for name in ("segments_loaded", "segments_skipped", "segments_corrupt", "segments_partial",
                      "segments_unverified", "records_quarantined", "rows", "records", "payload_bytes"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
@@ -157,7 +157,7 @@ class IngestResult:
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def known_segment_ids(backend: Backend) -> set[str]:
@@ -419,7 +419,7 @@ class IngesterThread:
         self._finalized = False
         self._paused = False
 
-    def start(self) -> "IngesterThread":
+    def start(self) -> IngesterThread:
         try:
             self._open()
         except StoreBusyError as e:

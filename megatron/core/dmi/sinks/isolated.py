@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 # The packages import their names lazily: preload the modules themselves.
 _PRELOAD = ["megatron.core.dmi.records", "megatron.core.dmi.sinks.sinks", "megatron.core.dmi.reader.store"]

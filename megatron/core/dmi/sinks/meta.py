@@ -6,9 +6,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Sequence
+from datetime import UTC, datetime
+from typing import Any
 
 import pyarrow as pa
 
@@ -71,7 +72,7 @@ class RunInfo:
     layers: Sequence[int] = ()
     world_size: int = 1
     hostname: str = field(default_factory=socket.gethostname)
-    started_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
 
 _SECRET_KEYS = ("password", "passwd", "secret", "credential", "api_key")
@@ -126,5 +127,5 @@ def report_table(run_id: str, attempt: int, rank: int, report: DMISinkReport) ->
         "records_written": report.records_written, "bytes_written": report.bytes_written,
         "records_spooled": report.records_spooled, "bytes_spooled": report.bytes_spooled,
         "records_dropped": report.records_dropped, "bytes_dropped": report.bytes_dropped,
-        "errors": [e[:2000] for e in report.errors[:100]], "closed_at": datetime.now(timezone.utc),
+        "errors": [e[:2000] for e in report.errors[:100]], "closed_at": datetime.now(UTC),
     }], schema=S.REPORTS_SCHEMA)

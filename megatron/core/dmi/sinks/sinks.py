@@ -17,10 +17,10 @@ import os
 import threading
 import time
 import warnings
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from datetime import datetime, timezone
-from typing import Sequence
+from datetime import UTC, datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -170,7 +170,7 @@ class _BufferedSink(DMISink):
             self._emit_meta("topology", topology_table(info))
 
     def write_drops(self, keys: Sequence[RecordKey], reason: str) -> None:
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         with self._buf_lock:
             self._drops.extend((k, reason, now) for k in keys)
             self.report.drops_recorded += len(keys)

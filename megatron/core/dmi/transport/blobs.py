@@ -19,7 +19,7 @@ import pyarrow as pa
 class BlobLease:
     """One pooled buffer, lent until this object (and every Arrow buffer made from it) is gone."""
 
-    def __init__(self, pool: "BlobPool", array: np.ndarray):
+    def __init__(self, pool: BlobPool, array: np.ndarray):
         self._pool = pool
         self.array = array
         self.address = int(array.ctypes.data)

@@ -17,7 +17,7 @@ import torch
 
 _lock = threading.Lock()
 _handles = itertools.count(1)
-_transports: dict[int, "weakref.ref"] = {}
+_transports: dict[int, weakref.ref] = {}
 
 
 def register_transport(transport) -> int:

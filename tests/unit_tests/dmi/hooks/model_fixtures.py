@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.core.dmi.capture import Capture
 from megatron.core.dmi.catalog import parse_hooks
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.transport.torch_ring import TorchRingTransport
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 SEQ, BATCH, VOCAB, EXPERTS, TOPK = 16, 2, 64, 4, 2
 

@@ -3,9 +3,9 @@ forward hook that copies the same tensors synchronously in the same forward."""
 
 import pytest
 import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from megatron.core.dmi.hooks import HookSet
-from megatron.core.transformer.dot_product_attention import DotProductAttention
 from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, SEQ, capture_for, tiny_gpt, tokens
 
 

@@ -5,7 +5,7 @@ torch cross entropy of the output layer's logits."""
 import torch
 
 from megatron.core.dmi.hooks import HookSet
-from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, bits, SEQ, capture_for, tiny_gpt, tokens
+from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, SEQ, bits, capture_for, tiny_gpt, tokens
 
 
 def test_loss_token_matches_a_plain_hook_and_torch_cross_entropy(megatron_cpu):

@@ -4,10 +4,10 @@ output, copied synchronously in the same forward."""
 
 import pytest
 import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.core.dmi.hooks import HookSet
-from megatron.core.transformer.transformer_layer import TransformerLayer
-from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, bits, EXPERTS, SEQ, capture_for, tiny_gpt, tokens
+from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, EXPERTS, SEQ, bits, capture_for, tiny_gpt, tokens
 from tests.unit_tests.dmi.test_capture_replay import RECOMPUTE, train_step
 
 HIDDEN = 32

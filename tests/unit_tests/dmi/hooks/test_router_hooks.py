@@ -3,10 +3,10 @@ a plain forward hook on the same routers that calls megatron-core's own gating a
 
 import pytest
 import torch
-
-from megatron.core.dmi.hooks import HookSet
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 from megatron.core.transformer.moe.router import TopKRouter
+
+from megatron.core.dmi.hooks import HookSet
 from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, EXPERTS, SEQ, TOPK, capture_for, tiny_gpt, tokens
 
 
@@ -24,7 +24,7 @@ def oracle_hooks(model):
         return hook
 
     handles = []
-    for name, m in model.named_modules():
+    for _name, m in model.named_modules():
         if isinstance(m, TopKRouter):
             handles.append(m.register_forward_hook(make(m.layer_number - 1)))
     return seen, handles

@@ -46,7 +46,7 @@ def predictability(store_dir: str):
 def _tokens_per_expert(oracle, layer, iterations):
     """The router's choices before capacity dropping: the top-k of its logits (softmax is monotonic)."""
     total = torch.zeros(EXPERTS, dtype=torch.long)
-    for (it, mb, l), v in oracle.items():
+    for (it, _mb, l), v in oracle.items():
         if l == layer and it in iterations:
             chosen = torch.topk(v["router.logits"], TOPK, dim=-1).indices
             total += torch.bincount(chosen.reshape(-1), minlength=EXPERTS)
@@ -95,7 +95,7 @@ def test_routing_predictability_matches_plain_torch(run):
         it = row["iteration"]
         weight = oracle[(it, 0, 1)]["router.weight"]
         predicted = torch.zeros(EXPERTS, dtype=torch.long)
-        for (i, mb, layer), v in oracle.items():
+        for (i, _mb, layer), v in oracle.items():
             if i == it and layer == 0:
                 logits = v["resid.in"].reshape(-1, v["resid.in"].shape[-1]).float() @ weight.float().T
                 for token in logits:

@@ -27,8 +27,10 @@ def test_superseded_attempts_hidden(tmp_path):
     q = [dict(run_id=W.RUN, output="router.logits", iteration=it, layer=0) for it in (3, 4)]
     t3, t4 = run_isolated(W.read_tensors, str(tmp_path), q)
     ref = {(r.key.attempt, r.key.iteration): r for r in a1 + a2 if r.key.layer == 0 and r.key.output == "router.logits"}
-    full = lambda a, it: torch.cat([r.tensor() for r in a1 + a2 if r.key.attempt == a and r.key.iteration == it
-                                    and r.key.layer == 0 and r.key.output == "router.logits"])
+    def full(a, it):
+        return torch.cat([r.tensor() for r in a1 + a2 if r.key.attempt == a and r.key.iteration == it
+                          and r.key.layer == 0 and r.key.output == "router.logits"])
+
     assert ref and torch.equal(t3, full(1, 3)) and torch.equal(t4, full(2, 4))
     load = run_isolated(W.store_call, str(tmp_path), "expert_load", W.RUN)
     assert _iters(load) == [1, 2, 3, 4, 5, 6]

@@ -6,8 +6,6 @@ import os
 import shutil
 import socket
 
-import pytest
-
 from megatron.core.dmi.sinks import SCHEMA_VERSION
 from megatron.core.dmi.sinks.isolated import run_isolated, run_parallel
 from tests.unit_tests.dmi.sinks import workers as W

@@ -246,7 +246,7 @@ def test_keys_survive_concurrent_producers_and_out_of_order_take():
         it, tid, i = rec.tensor()[:3].tolist()
         assert (rec.key.iteration, rec.key.layer, rec.key.microbatch) == (int(it), int(tid), int(i) % 3)
     per_producer = {}
-    for seq, rec in sorted(got, key=lambda x: x[0]):
+    for _seq, rec in sorted(got, key=lambda x: x[0]):
         per_producer.setdefault(rec.key.layer, []).append(rec.key.iteration)
     assert all(v == sorted(v) for v in per_producer.values())  # each producer's order is kept
 
