@@ -4,6 +4,7 @@
 megatron/core/dmi/csrc inside the build, where megatron.core.dmi.transport.jit looks first.
 ``pip install -e .`` needs no copy: jit finds them at the repo's csrc/dmi.
 """
+
 import shutil
 from pathlib import Path
 

@@ -28,17 +28,21 @@ def dump(store: str) -> dict:
 
 def main(root: str, out: str) -> None:
     runs = sorted(d for d in os.listdir(root) if d.startswith("run_"))
-    dumps = {r[len("run_"):]: dump(os.path.join(root, r, "store")) for r in runs}
+    dumps = {r[len("run_") :]: dump(os.path.join(root, r, "store")) for r in runs}
     result = {"records_per_output": {}, "loss_identical_to_dmi_off_twin": {}, "tensors_bitwise_equal": {}}
     for name, d in dumps.items():
         result["records_per_output"][name] = dict(collections.Counter(r["output"] for r in d["rows"]))
     a, b = dumps.get("dmi"), dumps.get("dmi_recompute")
     if a and b:
         same = a["tensors"].keys() == b["tensors"].keys() and all(
-            torch.equal(a["tensors"][k].view(torch.uint8) if a["tensors"][k].numel() else a["tensors"][k],
-                        b["tensors"][k].view(torch.uint8) if b["tensors"][k].numel() else b["tensors"][k])
-            for k in a["tensors"])
+            torch.equal(
+                a["tensors"][k].view(torch.uint8) if a["tensors"][k].numel() else a["tensors"][k],
+                b["tensors"][k].view(torch.uint8) if b["tensors"][k].numel() else b["tensors"][k],
+            )
+            for k in a["tensors"]
+        )
         result["tensors_bitwise_equal"]["dmi vs dmi_recompute"] = {"tensors": len(a["tensors"]), "equal": same}
+
     def loss(n):
         with open(os.path.join(root, f"loss_{n}.txt")) as f:
             return f.read()

@@ -75,15 +75,22 @@ def timed(cmd: list[str], repeats: int) -> dict:
         if p.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
         stderr_lines = len(p.stderr.splitlines())
-    return {"median_s": statistics.median(runs), "min_s": min(runs), "runs_s": runs,
-            "cpu_median_s": statistics.median(cpu), "stderr_lines": stderr_lines}
+    return {
+        "median_s": statistics.median(runs),
+        "min_s": min(runs),
+        "runs_s": runs,
+        "cpu_median_s": statistics.median(cpu),
+        "stderr_lines": stderr_lines,
+    }
 
 
 def snapshot_cost(store: str) -> dict:
     """What one snapshot links, from the reader itself (in this process: no chDB open elsewhere)."""
-    code = ("import json, sys, dataclasses; import megatron_dmi; megatron_dmi._register_bare_core();"
-            "from megatron.core.dmi.reader import open_store;"
-            "s = open_store(sys.argv[1]); print(json.dumps(dataclasses.asdict(s.snapshot_stats))); s.close()")
+    code = (
+        "import json, sys, dataclasses; import megatron_dmi; megatron_dmi._register_bare_core();"
+        "from megatron.core.dmi.reader import open_store;"
+        "s = open_store(sys.argv[1]); print(json.dumps(dataclasses.asdict(s.snapshot_stats))); s.close()"
+    )
     p = subprocess.run([sys.executable, "-c", code, store], capture_output=True, text=True, check=True)
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -106,8 +113,9 @@ def main() -> None:
         copy = os.path.join(tmp, "store")
         shutil.copytree(args.store, copy, symlinks=True, ignore=shutil.ignore_patterns(".readers"))
         arms["chdb_sql"] = timed([sys.executable, "-c", CHDB_SQL, os.path.join(copy, "chdb")], args.repeats)
-        holder = subprocess.Popen([sys.executable, "-c", HOLDER, os.path.join(copy, "chdb")], stdout=subprocess.PIPE,
-                                  text=True)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, os.path.join(copy, "chdb")], stdout=subprocess.PIPE, text=True
+        )
         try:
             if holder.stdout.readline().strip() != "holding":
                 raise SystemExit("the holder process did not open the store copy")
@@ -116,12 +124,22 @@ def main() -> None:
         finally:
             holder.kill()
             holder.wait()
-    out = {"benchmark": "cli_speed", "machine": platform.node(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-           "python": platform.python_version(), "store": os.path.abspath(args.store), "cli": cli, "arms": arms,
-           "snapshot_while_held": snapshot}
+    out = {
+        "benchmark": "cli_speed",
+        "machine": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "python": platform.python_version(),
+        "store": os.path.abspath(args.store),
+        "cli": cli,
+        "arms": arms,
+        "snapshot_while_held": snapshot,
+    }
     for name, a in arms.items():
-        print(f"{name:>16}: median {a['median_s']:.2f} s  min {a['min_s']:.2f} s  cpu {a['cpu_median_s']:.2f} s  "
-              f"stderr lines {a['stderr_lines']}")
+        print(
+            f"{name:>16}: median {a['median_s']:.2f} s  min {a['min_s']:.2f} s  cpu {a['cpu_median_s']:.2f} s  "
+            f"stderr lines {a['stderr_lines']}"
+        )
     print(f"snapshot while held: {snapshot}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

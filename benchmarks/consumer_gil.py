@@ -40,8 +40,9 @@ def spin_rate(seconds: float = 1.0) -> float:
 
 def one_pass(ring: NativeRingTransport, variant: str, alone: float) -> dict:
     x = torch.randn(RECORD_MB << 18)
-    key = RecordKey("bench", "train", 1, 0, 0, 0, 0, "attn.context", ParallelCoords(), 0, 1, 0, 1, 1, "float32",
-                    tuple(x.shape))
+    key = RecordKey(
+        "bench", "train", 1, 0, 0, 0, 0, "attn.context", ParallelCoords(), 0, 1, 0, 1, 1, "float32", tuple(x.shape)
+    )
     for i in range(RECORDS):
         ring.publish(dataclasses.replace(key, microbatch=i), x)
     if variant == "native_spool":  # the ring's C++ writer consumes (and writes the file) meanwhile
@@ -82,15 +83,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as spool_dir:
         spooled.start_spool(spool_dir, {"kind": "tensors"}, 1, 256 << 20, 32 << 20)
         alone = spin_rate()
-        rows = [one_pass(spooled if v == "native_spool" else ring, v, alone)
-                for _ in range(a.passes) for v in VARIANTS]
+        rows = [one_pass(spooled if v == "native_spool" else ring, v, alone) for _ in range(a.passes) for v in VARIANTS]
         spooled.stop_spool()
     spooled.close()
-    rows = rows[len(VARIANTS):]  # the first round warms memory (first-touch page faults are slow on VMs)
+    rows = rows[len(VARIANTS) :]  # the first round warms memory (first-touch page faults are slow on VMs)
     for r in rows:
-        print(f"{r['variant']:10s} consumer {r['consumer_gb_s']:.2f} GB/s, main thread at {r['main_speed']:.0%} of alone")
-    summary = {v: {k: statistics.median(r[k] for r in rows if r["variant"] == v) for k in ("consumer_gb_s", "main_speed")}
-               for v in VARIANTS}
+        print(
+            f"{r['variant']:10s} consumer {r['consumer_gb_s']:.2f} GB/s, main thread at {r['main_speed']:.0%} of alone"
+        )
+    summary = {
+        v: {k: statistics.median(r[k] for r in rows if r["variant"] == v) for k in ("consumer_gb_s", "main_speed")}
+        for v in VARIANTS
+    }
     print("medians:", json.dumps(summary))
     if a.json:
         with open(a.json, "w") as f:

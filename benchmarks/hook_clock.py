@@ -34,6 +34,7 @@ class HookClock:
                 else:
                     self.samples[kind].append(dt - self._inner)
                     self._inner = 0.0
+
         return timed_call
 
     def routers(self):

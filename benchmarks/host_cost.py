@@ -53,8 +53,9 @@ def init(on_gpu: bool) -> None:
         torch.cuda.set_device(0)
     else:
         cpu_mode.enable()
-    torch.distributed.init_process_group("nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                         rank=0, world_size=1)
+    torch.distributed.init_process_group(
+        "nccl" if on_gpu else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
     ps.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1234)
 
@@ -62,12 +63,25 @@ def init(on_gpu: bool) -> None:
 def build_model(a, device: torch.device) -> GPTModel:
     on_gpu = device.type == "cuda"
     config = TransformerConfig(
-        num_layers=a.layers, hidden_size=a.hidden, ffn_hidden_size=4 * a.hidden, num_attention_heads=a.heads,
-        num_moe_experts=a.experts, moe_router_topk=a.topk, moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
-        moe_router_load_balancing_type="none", moe_router_dtype="fp32", add_bias_linear=False,
-        bf16=on_gpu, params_dtype=torch.bfloat16 if on_gpu else torch.float32, apply_rope_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=a.layers,
+        hidden_size=a.hidden,
+        ffn_hidden_size=4 * a.hidden,
+        num_attention_heads=a.heads,
+        num_moe_experts=a.experts,
+        moe_router_topk=a.topk,
+        moe_token_dispatcher_type="alltoall" if on_gpu else "allgather",
+        moe_router_load_balancing_type="none",
+        moe_router_dtype="fp32",
+        add_bias_linear=False,
+        bf16=on_gpu,
+        params_dtype=torch.bfloat16 if on_gpu else torch.float32,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
     spec = get_gpt_layer_local_spec(num_experts=a.experts, moe_grouped_gemm=False)
     return GPTModel(config, spec, vocab_size=a.vocab, max_sequence_length=a.seq).to(device)
@@ -77,8 +91,13 @@ def clock_group(model, group: str, a, device, store: str) -> dict:
     """Forward passes with one group captured (or, for ``not_captured``, the router and attention
     sites installed but no iteration captured); DMI host seconds per firing by site kind."""
     hooks = "router,attn" if group == "not_captured" else group
-    config = DMIConfig(hooks=parse_hooks(hooks), persist="none", store_dir=store, ring_mb=a.ring_mb,
-                       start_iter=NEVER if group == "not_captured" else 1)
+    config = DMIConfig(
+        hooks=parse_hooks(hooks),
+        persist="none",
+        store_dir=store,
+        ring_mb=a.ring_mb,
+        start_iter=NEVER if group == "not_captured" else 1,
+    )
     clock = HookClock(model)
     clock.before_attach()
     session = DMISession(config, device=device, command_line=["host_cost.py"])
@@ -115,8 +134,10 @@ def summary(seconds: list[float]) -> dict:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor())
+    model = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
     return f"{model} ({os.cpu_count()} CPUs)"
 
 
@@ -149,7 +170,9 @@ def main() -> None:
             results[group] = clock_group(model, group, a, device, store)
     out = {
         "device": device_name(device),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
         "torch": torch.__version__,
         "model": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "experts", "topk", "seq", "micro_batch")},
         "steps": a.steps,

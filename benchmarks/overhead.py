@@ -63,7 +63,17 @@ from megatron.core.dmi.sinks import SpoolSink
 from megatron.core.dmi.transport.native import NativeRingTransport
 from megatron.core.dmi.transport.torch_ring import TorchRingTransport
 
-MOE_ARMS = ("off", "off_again", "router", "router_attn", "router_attn_py", "router_attn_shm", "sync_cpu", "pinned", "torch_ring")
+MOE_ARMS = (
+    "off",
+    "off_again",
+    "router",
+    "router_attn",
+    "router_attn_py",
+    "router_attn_shm",
+    "sync_cpu",
+    "pinned",
+    "torch_ring",
+)
 SHM_SPOOL = "/dev/shm/dmi_bench_spool"
 GRAPH_ARMS = ("graph_off", "graph_dmi")
 GRAPH_HOOKS = "attn"
@@ -81,13 +91,25 @@ def init_distributed() -> None:
 
 def build_model(a: argparse.Namespace, moe: bool) -> GPTModel:
     config = TransformerConfig(
-        num_layers=a.layers, hidden_size=a.hidden, ffn_hidden_size=a.ffn, num_attention_heads=a.heads,
-        num_moe_experts=a.experts if moe else None, moe_router_topk=a.topk,
+        num_layers=a.layers,
+        hidden_size=a.hidden,
+        ffn_hidden_size=a.ffn,
+        num_attention_heads=a.heads,
+        num_moe_experts=a.experts if moe else None,
+        moe_router_topk=a.topk,
         moe_ffn_hidden_size=a.moe_ffn if moe else None,
-        moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none", moe_router_dtype="fp32",
-        add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16, apply_rope_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_router_load_balancing_type="none",
+        moe_router_dtype="fp32",
+        add_bias_linear=False,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
     )
     spec = get_gpt_layer_local_spec(num_experts=a.experts if moe else None)
     model = GPTModel(config, spec, vocab_size=a.vocab, max_sequence_length=a.seq, position_embedding_type="rope")
@@ -97,8 +119,16 @@ def build_model(a: argparse.Namespace, moe: bool) -> GPTModel:
 class DMIArm:
     """DMI as the training integration wires it, minus Megatron's loop: spool sink, drain, hooks."""
 
-    def __init__(self, model, hooks: str, transport: str, a, spool_root: str, native_spool: bool = True,
-                 clock: HookClock | None = None):
+    def __init__(
+        self,
+        model,
+        hooks: str,
+        transport: str,
+        a,
+        spool_root: str,
+        native_spool: bool = True,
+        clock: HookClock | None = None,
+    ):
         self.config = DMIConfig(hooks=parse_hooks(hooks), ring_mb=a.ring_mb, persist="spool")
         cls = NativeRingTransport if transport == "native" else TorchRingTransport
         self.transport = cls(self.config.ring_bytes, "block", torch.device("cuda", 0))
@@ -142,16 +172,29 @@ class DMIArm:
         if not self.keep_spool:  # a full run spools more than the GPU machine's disk holds
             shutil.rmtree(self.sink.spool_root, ignore_errors=True)
         s = self.transport.stats
-        return {"published": s.published, "published_bytes": s.published_bytes, "dropped": s.dropped,
-                "blocked": s.blocked, "blocked_seconds": s.blocked_seconds,
-                "persisted": report.records_written, "persisted_bytes": report.bytes_written,
-                "sink_dropped": report.records_dropped, "sink_errors": len(report.errors), "final_flush_s": flush_s,
-                "drain_batches": self.drain.batches_written, "native_spool_rounds": int(self.drain.native),
-                "dmi_thread_cpu_s": sum(dmi_cpu.values()), "arm_wall_s": wall,
-                # the C++ writer's wall time in checksums, page-cache writes and fsyncs: next to
-                # arm_wall_s it says how close the writer runs to falling behind capture
-                **({f"writer_{k[:-3]}_s": writer[k] / 1e9 for k in ("checksum_ns", "write_ns", "sync_ns")}
-                   if writer else {})}
+        return {
+            "published": s.published,
+            "published_bytes": s.published_bytes,
+            "dropped": s.dropped,
+            "blocked": s.blocked,
+            "blocked_seconds": s.blocked_seconds,
+            "persisted": report.records_written,
+            "persisted_bytes": report.bytes_written,
+            "sink_dropped": report.records_dropped,
+            "sink_errors": len(report.errors),
+            "final_flush_s": flush_s,
+            "drain_batches": self.drain.batches_written,
+            "native_spool_rounds": int(self.drain.native),
+            "dmi_thread_cpu_s": sum(dmi_cpu.values()),
+            "arm_wall_s": wall,
+            # the C++ writer's wall time in checksums, page-cache writes and fsyncs: next to
+            # arm_wall_s it says how close the writer runs to falling behind capture
+            **(
+                {f"writer_{k[:-3]}_s": writer[k] / 1e9 for k in ("checksum_ns", "write_ns", "sync_ns")}
+                if writer
+                else {}
+            ),
+        }
 
 
 class PlainHooks:
@@ -227,7 +270,9 @@ def bootstrap_ci(xs, base, n=2000, seed=0) -> tuple[float, float, float]:
     rng = np.random.default_rng(seed)
     xs, base = np.asarray(xs), np.asarray(base)
     point = (np.median(xs) / np.median(base) - 1) * 100
-    samples = [(np.median(rng.choice(xs, xs.size)) / np.median(rng.choice(base, base.size)) - 1) * 100 for _ in range(n)]
+    samples = [
+        (np.median(rng.choice(xs, xs.size)) / np.median(rng.choice(base, base.size)) - 1) * 100 for _ in range(n)
+    ]
     return float(point), float(np.percentile(samples, 2.5)), float(np.percentile(samples, 97.5))
 
 
@@ -238,12 +283,17 @@ def paired_ci(xs, base, block: int, n=2000, seed=0) -> tuple[float, float, float
     rounds = min(len(xs), len(base)) // block
     if rounds < 2:
         return float("nan"), float("nan"), float("nan")
-    ratios = np.array([np.median(xs[r * block:(r + 1) * block]) / np.median(base[r * block:(r + 1) * block])
-                       for r in range(rounds)])
+    ratios = np.array(
+        [
+            np.median(xs[r * block : (r + 1) * block]) / np.median(base[r * block : (r + 1) * block])
+            for r in range(rounds)
+        ]
+    )
     rng = np.random.default_rng(seed)
     samples = [np.median(rng.choice(ratios, rounds)) for _ in range(n)]
-    return tuple(float((v - 1) * 100) for v in (np.median(ratios), np.percentile(samples, 2.5),
-                                                np.percentile(samples, 97.5)))
+    return tuple(
+        float((v - 1) * 100) for v in (np.median(ratios), np.percentile(samples, 2.5), np.percentile(samples, 97.5))
+    )
 
 
 def thread_cpu_seconds() -> dict[str, float]:
@@ -280,9 +330,14 @@ def run_moe(a, spool_root: str) -> tuple[dict, dict]:
             dmi = plain = None
             if arm in ("router", "router_attn", "router_attn_py", "router_attn_shm", "torch_ring"):
                 hooks = "router" if arm == "router" else "router,attn"
-                dmi = DMIArm(model, hooks, "torch" if arm == "torch_ring" else "native", a,
-                             SHM_SPOOL if arm == "router_attn_shm" else spool_root,
-                             native_spool=arm != "router_attn_py")
+                dmi = DMIArm(
+                    model,
+                    hooks,
+                    "torch" if arm == "torch_ring" else "native",
+                    a,
+                    SHM_SPOOL if arm == "router_attn_shm" else spool_root,
+                    native_spool=arm != "router_attn_py",
+                )
             elif arm in ("sync_cpu", "pinned"):
                 plain = PlainHooks(model, arm)
             for i in range(a.warmup + a.steps):
@@ -302,7 +357,10 @@ def run_moe(a, spool_root: str) -> tuple[dict, dict]:
                 acc = totals.setdefault(arm, {})
                 for k, v in stats.items():
                     acc[k] = acc.get(k, 0) + v
-        print(f"round {rnd + 1}/{a.rounds}: " + "  ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items()), flush=True)
+        print(
+            f"round {rnd + 1}/{a.rounds}: " + "  ".join(f"{k} {statistics.median(v):.1f}" for k, v in times.items()),
+            flush=True,
+        )
     for arm, xs in host.items():
         totals.setdefault(arm, {})["host_enqueue_median_ms"] = statistics.median(xs)
     for arm in ("router", "router_attn"):
@@ -336,8 +394,11 @@ def clock_hooks(a, model, opt, ids, pos, arm: str, spool_root: str) -> dict:
                 clock.take_ms()
         dmi.detach()
         dmi.close()
-    return {"dmi_hook_host_ms_median": statistics.median(per_step), "dmi_hook_host_ms_samples": per_step,
-            "dmi_hook_calls_per_step": calls / len(per_step)}
+    return {
+        "dmi_hook_host_ms_median": statistics.median(per_step),
+        "dmi_hook_host_ms_samples": per_step,
+        "dmi_hook_calls_per_step": calls / len(per_step),
+    }
 
 
 def kernel_summary(prof, steps: int) -> dict:
@@ -377,8 +438,9 @@ def profile_arms(a, model, opt, ids, pos, spool_root: str) -> dict:
                 dmi.step()
             timed(lambda: train_step(model, opt, ids, pos))
         step_ms = []
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
             for _ in range(a.profile_steps):
                 if dmi:
                     dmi.step()
@@ -394,9 +456,12 @@ def profile_arms(a, model, opt, ids, pos, spool_root: str) -> dict:
             with open(trace, "rb") as f, gzip.open(trace + ".gz", "wb") as g:
                 shutil.copyfileobj(f, g)
             os.remove(trace)
-        print(f"profile {arm}: step {statistics.median(step_ms):.1f} ms, GPU busy"
-              f" {result[arm]['device_busy_ms_per_step']:.1f} ms, DMI kernels {result[arm]['dmi_kernel_ms_per_step']:.3f} ms,"
-              f" DtoH copies {result[arm]['dtoh_copy_ms_per_step']:.2f} ms per step", flush=True)
+        print(
+            f"profile {arm}: step {statistics.median(step_ms):.1f} ms, GPU busy"
+            f" {result[arm]['device_busy_ms_per_step']:.1f} ms, DMI kernels {result[arm]['dmi_kernel_ms_per_step']:.3f} ms,"
+            f" DtoH copies {result[arm]['dtoh_copy_ms_per_step']:.2f} ms per step",
+            flush=True,
+        )
     return result
 
 
@@ -465,7 +530,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=5, help="timed steps per arm per round")
-    p.add_argument("--moe-seconds", type=float, default=0, help="start no new MoE round after this long (0: all rounds)")
+    p.add_argument(
+        "--moe-seconds", type=float, default=0, help="start no new MoE round after this long (0: all rounds)"
+    )
     p.add_argument("--graph-rounds", type=int, default=0, help="rounds of the graph arms (0: --rounds)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per arm per round")
     p.add_argument("--ring-mb", type=float, default=512)
@@ -474,11 +541,18 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="tiny sizes, to check the script runs")
     p.add_argument("--skip-graphs", action="store_true")
-    p.add_argument("--profile-steps", type=int, default=2,
-                   help="steps of off and router_attn under torch.profiler after the rounds (0: none);"
-                        " traces go next to --out")
-    p.add_argument("--hook-clock-rounds", type=int, default=3,
-                   help="extra blocks of router and router_attn with DMI's host time clocked (0: none)")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=2,
+        help="steps of off and router_attn under torch.profiler after the rounds (0: none); traces go next to --out",
+    )
+    p.add_argument(
+        "--hook-clock-rounds",
+        type=int,
+        default=3,
+        help="extra blocks of router and router_attn with DMI's host time clocked (0: none)",
+    )
     p.add_argument("--arms", default=",".join(MOE_ARMS), help="MoE arms to run (off is always run)")
     a = p.parse_args()
     a.arms = ["off"] + [x for x in a.arms.split(",") if x and x != "off"]
@@ -487,7 +561,17 @@ def main() -> None:
         p.error(f"unknown --arms {unknown}; choose from {', '.join(MOE_ARMS)}")
     if a.quick:
         a.layers, a.hidden, a.ffn, a.heads, a.experts, a.moe_ffn, a.seq, a.vocab, a.rounds, a.steps = (
-            2, 256, 512, 4, 8, 256, 256, 1024, 2, 2)
+            2,
+            256,
+            512,
+            4,
+            8,
+            256,
+            256,
+            1024,
+            2,
+            2,
+        )
     init_distributed()
     t0 = time.perf_counter()
     NativeRingTransport(1 << 20, "block", torch.device("cuda", 0)).close()
@@ -497,9 +581,13 @@ def main() -> None:
     times, totals, profiles = run_moe(a, os.path.join(a.spool, "moe"))
     moe_wall = time.perf_counter() - wall0
     cpu1 = thread_cpu_seconds()
-    extra = {"jit_first_construct_s": jit_first_s, "moe_phase_wall_s": moe_wall,
-             "thread_cpu_s_during_moe": {k: cpu1.get(k, 0) - cpu0.get(k, 0) for k in cpu1}, "graph_error": None,
-             "profile": profiles}
+    extra = {
+        "jit_first_construct_s": jit_first_s,
+        "moe_phase_wall_s": moe_wall,
+        "thread_cpu_s_during_moe": {k: cpu1.get(k, 0) - cpu0.get(k, 0) for k in cpu1},
+        "graph_error": None,
+        "profile": profiles,
+    }
     write_result(a, times, totals, extra)  # the MoE arms are kept even if the graph arms run out of time
     if not a.skip_graphs:
         try:
@@ -515,7 +603,10 @@ def main() -> None:
 def write_result(a, times: dict, totals: dict, extra: dict) -> dict:
     """Print the table and write the JSON (called after each phase)."""
     result = {
-        "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "args": vars(a), **extra,
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "args": vars(a),
+        **extra,
         "peak_hbm_gib": torch.cuda.max_memory_allocated() / 2**30,
         "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "pinned_staging_gib_per_native_transport": a.ring_mb / 1024,
@@ -525,8 +616,15 @@ def write_result(a, times: dict, totals: dict, extra: dict) -> dict:
         base = times["graph_off" if arm.startswith("graph") else "off"]
         over, lo, hi = bootstrap_ci(xs, base)
         paired, plo, phi = paired_ci(xs, base, a.steps)
-        entry = {"median_ms": statistics.median(xs), "n": len(xs), "overhead_pct": over, "ci95": [lo, hi],
-                 "paired_overhead_pct": paired, "paired_ci95": [plo, phi], "samples_ms": xs}
+        entry = {
+            "median_ms": statistics.median(xs),
+            "n": len(xs),
+            "overhead_pct": over,
+            "ci95": [lo, hi],
+            "paired_overhead_pct": paired,
+            "paired_ci95": [plo, phi],
+            "samples_ms": xs,
+        }
         entry.update(totals.get(arm, {}))
         if entry.get("arm_wall_s"):
             entry["dmi_cores_used"] = entry["dmi_thread_cpu_s"] / entry["arm_wall_s"]
@@ -540,21 +638,29 @@ def write_result(a, times: dict, totals: dict, extra: dict) -> dict:
         if c.get("persisted_bytes"):
             timed_s = sum(times[arm]) / 1000
             result[f"{arm}_persisted_gb_per_s_of_step_time"] = c["persisted_bytes"] / 1e9 / timed_s
-    print(f"\n{'arm':12} {'median ms':>10} {'overhead %':>11} {'95% CI':>17} {'paired %':>9} {'paired CI':>17}"
-          f" {'records':>9} {'dropped':>8}")
+    print(
+        f"\n{'arm':12} {'median ms':>10} {'overhead %':>11} {'95% CI':>17} {'paired %':>9} {'paired CI':>17}"
+        f" {'records':>9} {'dropped':>8}"
+    )
     for arm, e in result["arms"].items():
-        print(f"{arm:12} {e['median_ms']:10.2f} {e['overhead_pct']:11.2f} [{e['ci95'][0]:6.2f}, {e['ci95'][1]:6.2f}]"
-              f" {e['paired_overhead_pct']:9.2f} [{e['paired_ci95'][0]:6.2f}, {e['paired_ci95'][1]:6.2f}]"
-              f" {e.get('persisted', '-'):>9} {e.get('dropped', '-'):>8}", flush=True)
+        print(
+            f"{arm:12} {e['median_ms']:10.2f} {e['overhead_pct']:11.2f} [{e['ci95'][0]:6.2f}, {e['ci95'][1]:6.2f}]"
+            f" {e['paired_overhead_pct']:9.2f} [{e['paired_ci95'][0]:6.2f}, {e['paired_ci95'][1]:6.2f}]"
+            f" {e.get('persisted', '-'):>9} {e.get('dropped', '-'):>8}",
+            flush=True,
+        )
     for arm, e in result["arms"].items():
         if "dmi_hook_host_ms_median" in e:
-            print(f"{arm}: DMI host time in hooks {e['dmi_hook_host_ms_median']:.3f} ms/step"
-                  f" ({e['dmi_hook_host_pct_of_off']:.3f} % of off), {e['dmi_hook_calls_per_step']:.0f} hook calls/step",
-                  flush=True)
+            print(
+                f"{arm}: DMI host time in hooks {e['dmi_hook_host_ms_median']:.3f} ms/step"
+                f" ({e['dmi_hook_host_pct_of_off']:.3f} % of off), {e['dmi_hook_calls_per_step']:.0f} hook calls/step",
+                flush=True,
+            )
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
     return result
+
 
 if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt):

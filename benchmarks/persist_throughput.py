@@ -45,8 +45,24 @@ def make_records(record_bytes: int, n: int, iteration: int, pool: list[bytes]) -
     elems = record_bytes // 2
     out = []
     for i in range(n):
-        key = RecordKey("bench", "train", iteration, 1, i, 0, i % 32, "attn.context", ParallelCoords(rank=0), 0, 1, 0,
-                        elems // 1024, elems // 1024, "bfloat16", (elems // 1024, 1024))
+        key = RecordKey(
+            "bench",
+            "train",
+            iteration,
+            1,
+            i,
+            0,
+            i % 32,
+            "attn.context",
+            ParallelCoords(rank=0),
+            0,
+            1,
+            0,
+            elems // 1024,
+            elems // 1024,
+            "bfloat16",
+            (elems // 1024, 1024),
+        )
         out.append(Record(key, pool[i % len(pool)]))
     return out
 
@@ -73,10 +89,19 @@ def from_spool(spool: str, copies: int, root: str) -> dict:
         wall = time.perf_counter() - t0
     finally:
         backend.close()
-    out = {"spool": os.path.abspath(spool), "segments": len(segs), "raw_segments": sum(s.raw for s in segs),
-           "copies": copies, "records": rows, "payload_bytes": nbytes, "ingest_MBps": nbytes / wall / 1e6}
-    print(f"ingest of {len(segs)} real segment(s) x {copies}: {rows} records, {nbytes / 2**20:.0f} MiB, "
-          f"{out['ingest_MBps']:.0f} MB/s")
+    out = {
+        "spool": os.path.abspath(spool),
+        "segments": len(segs),
+        "raw_segments": sum(s.raw for s in segs),
+        "copies": copies,
+        "records": rows,
+        "payload_bytes": nbytes,
+        "ingest_MBps": nbytes / wall / 1e6,
+    }
+    print(
+        f"ingest of {len(segs)} real segment(s) x {copies}: {rows} records, {nbytes / 2**20:.0f} MiB, "
+        f"{out['ingest_MBps']:.0f} MB/s"
+    )
     return out
 
 
@@ -102,8 +127,17 @@ def main() -> None:
                 shutil.rmtree(root, ignore_errors=True)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                           "args": vars(args), **out}, f, indent=2)
+                json.dump(
+                    {
+                        "host": platform.node(),
+                        "cpus": os.cpu_count(),
+                        "python": platform.python_version(),
+                        "args": vars(args),
+                        **out,
+                    },
+                    f,
+                    indent=2,
+                )
         return
     backend = ChdbBackend(os.path.join(root, "store", "chdb"))
     backend.ensure_schema()
@@ -133,8 +167,14 @@ def main() -> None:
                     t_verify += time.perf_counter() - t1
 
                 spool_dir = os.path.join(root, f"spool-{size}-{rep}")
-                sink = SpoolSink("bench", ParallelCoords(rank=0), spool_dir, segment_bytes=args.batch_mb << 20,
-                                 segment_records=1 << 30, segment_seconds=1e9)
+                sink = SpoolSink(
+                    "bench",
+                    ParallelCoords(rank=0),
+                    spool_dir,
+                    segment_bytes=args.batch_mb << 20,
+                    segment_records=1 << 30,
+                    segment_seconds=1e9,
+                )
                 batches = []
                 for _ in range(n_batches):
                     it += 1
@@ -142,7 +182,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 for b in batches:
                     for i in range(0, len(b), 256):  # the drain hands over at most flush_records at a time
-                        sink.write(b[i:i + 256])
+                        sink.write(b[i : i + 256])
                 sink.flush()
                 t_spool = time.perf_counter() - t0
                 sink.close()
@@ -152,14 +192,24 @@ def main() -> None:
                 t_ingest = time.perf_counter() - t0
                 assert r.payload_bytes == nbytes, (r.payload_bytes, nbytes)
                 shutil.rmtree(spool_dir, ignore_errors=True)
-                results.append({"record_bytes": size, "repeat": rep, "payload_bytes": nbytes,
-                                "insert_MBps": nbytes / t_insert / 1e6, "verify_MBps": nbytes / t_verify / 1e6,
-                                "verify_share": t_verify / (t_insert + t_verify), "spool_MBps": nbytes / t_spool / 1e6,
-                                "ingest_MBps": nbytes / t_ingest / 1e6})
-                print(f"  size {size:>8} repeat {rep}: insert {results[-1]['insert_MBps']:7.0f} MB/s  "
-                      f"verify {results[-1]['verify_MBps']:7.0f} MB/s ({100 * results[-1]['verify_share']:.1f} %)  "
-                      f"spool {results[-1]['spool_MBps']:7.0f} MB/s  ingest {results[-1]['ingest_MBps']:7.0f} MB/s",
-                      flush=True)
+                results.append(
+                    {
+                        "record_bytes": size,
+                        "repeat": rep,
+                        "payload_bytes": nbytes,
+                        "insert_MBps": nbytes / t_insert / 1e6,
+                        "verify_MBps": nbytes / t_verify / 1e6,
+                        "verify_share": t_verify / (t_insert + t_verify),
+                        "spool_MBps": nbytes / t_spool / 1e6,
+                        "ingest_MBps": nbytes / t_ingest / 1e6,
+                    }
+                )
+                print(
+                    f"  size {size:>8} repeat {rep}: insert {results[-1]['insert_MBps']:7.0f} MB/s  "
+                    f"verify {results[-1]['verify_MBps']:7.0f} MB/s ({100 * results[-1]['verify_share']:.1f} %)  "
+                    f"spool {results[-1]['spool_MBps']:7.0f} MB/s  ingest {results[-1]['ingest_MBps']:7.0f} MB/s",
+                    flush=True,
+                )
     finally:
         backend.close()
         if not args.dir:
@@ -167,8 +217,10 @@ def main() -> None:
 
     summary = []
     print()
-    print(f"{'record':>8} | {'payload/run':>11} | {'insert MB/s':>11} | {'verify MB/s':>11} | {'verify %':>8} | "
-          f"{'spool MB/s':>10} | {'ingest MB/s':>11}   (medians)")
+    print(
+        f"{'record':>8} | {'payload/run':>11} | {'insert MB/s':>11} | {'verify MB/s':>11} | {'verify %':>8} | "
+        f"{'spool MB/s':>10} | {'ingest MB/s':>11}   (medians)"
+    )
     print("-" * 98)
     for size in sorted({r["record_bytes"] for r in results}):
         rs = [r for r in results if r["record_bytes"] == size]
@@ -177,13 +229,25 @@ def main() -> None:
             row[k] = statistics.median(r[k] for r in rs)
         summary.append(row)
         label = f"{size // 1024} KiB" if size < 1 << 20 else f"{size >> 20} MiB"
-        print(f"{label:>8} | {row['payload_bytes'] / 2**20:8.0f} MiB | {row['insert_MBps']:11.0f} | "
-              f"{row['verify_MBps']:11.0f} | {100 * row['verify_share']:7.1f}% | {row['spool_MBps']:10.0f} | "
-              f"{row['ingest_MBps']:11.0f}")
+        print(
+            f"{label:>8} | {row['payload_bytes'] / 2**20:8.0f} MiB | {row['insert_MBps']:11.0f} | "
+            f"{row['verify_MBps']:11.0f} | {100 * row['verify_share']:7.1f}% | {row['spool_MBps']:10.0f} | "
+            f"{row['ingest_MBps']:11.0f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                       "args": vars(args), "summary": summary, "runs": results}, f, indent=2)
+            json.dump(
+                {
+                    "host": platform.node(),
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "args": vars(args),
+                    "summary": summary,
+                    "runs": results,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

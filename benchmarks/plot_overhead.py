@@ -33,8 +33,14 @@ def main(dst: str, sources: list[str]) -> None:
         over = np.array([arms[names[j]]["overhead_pct"] for j in have])
         lo = np.array([arms[names[j]]["ci95"][0] for j in have])
         hi = np.array([arms[names[j]]["ci95"][1] for j in have])
-        ax.bar(x[have] + (i - (len(runs) - 1) / 2) * width, over, width, yerr=[over - lo, hi - over],
-               capsize=3, label=label)
+        ax.bar(
+            x[have] + (i - (len(runs) - 1) / 2) * width,
+            over,
+            width,
+            yerr=[over - lo, hi - over],
+            capsize=3,
+            label=label,
+        )
     ax.set_xticks(x, names, rotation=20, ha="right")
     ax.set_yscale("symlog", linthresh=1)
     ax.axhline(1, color="tab:red", lw=0.8, ls="--", label="1 % target")

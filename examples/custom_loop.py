@@ -48,10 +48,20 @@ def init_distributed(on_gpu: bool, expert_parallel: int) -> None:
 
 def tiny_moe(device: torch.device) -> GPTModel:
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-        num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type="allgather", add_bias_linear=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, bias_dropout_fusion=False, deterministic_mode=True,
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_token_dispatcher_type="allgather",
+        add_bias_linear=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        deterministic_mode=True,
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
     )
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
@@ -63,8 +73,11 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=4)
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--hooks", default="router,attn", help="what DMI captures (as --dmi-hooks)")
-    p.add_argument("--store", default=os.path.join(os.getcwd(), "dmi_store", "custom_loop"),
-                   help="DMI store directory (default: ./dmi_store/custom_loop)")
+    p.add_argument(
+        "--store",
+        default=os.path.join(os.getcwd(), "dmi_store", "custom_loop"),
+        help="DMI store directory (default: ./dmi_store/custom_loop)",
+    )
     p.add_argument("--expert-parallel", type=int, default=1)
     args = p.parse_args()
 
@@ -77,8 +90,10 @@ def main() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     rank = torch.distributed.get_rank()
 
-    session = DMISession(DMIConfig(hooks=parse_hooks(args.hooks), store_dir=args.store),  # DMI
-                         run_facts={"seq_length": SEQ, "vocab_size": VOCAB, "micro_batch_size": MICRO_BATCH})
+    session = DMISession(
+        DMIConfig(hooks=parse_hooks(args.hooks), store_dir=args.store),  # DMI
+        run_facts={"seq_length": SEQ, "vocab_size": VOCAB, "micro_batch_size": MICRO_BATCH},
+    )
     session.attach(model)  # DMI
     if rank == 0:
         print(session.description)
@@ -120,8 +135,10 @@ def read_back(store_dir: str, run_id: str, last_iteration: int) -> None:
         print(store.describe(run_id))
         print(store.expert_load(run_id).query("iteration == @last_iteration").to_string(index=False))
         ids = store.tensor(run_id, "router.topk_ids", iteration=last_iteration, microbatch=0, layer=1)
-        print(f"router.topk_ids at iteration {last_iteration}, layer 1: shape {list(ids.shape)}, "
-              f"first token's experts {ids[0].tolist()}")
+        print(
+            f"router.topk_ids at iteration {last_iteration}, layer 1: shape {list(ids.shape)}, "
+            f"first token's experts {ids[0].tolist()}"
+        )
 
 
 if __name__ == "__main__":

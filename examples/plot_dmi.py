@@ -78,8 +78,9 @@ def plot_expert_load(load, out_dir: str, max_panels: int = 4) -> list[str]:
 
     g = load.groupby(["iteration", "layer"])["tokens_post"]
     imb = (g.max() / g.mean().replace(0, np.nan)).reset_index(name="imbalance")
-    fig = layer_lines_figure(imb, "imbalance", 1, "max / mean tokens per expert", "expert load imbalance",
-                             reference=1.0)
+    fig = layer_lines_figure(
+        imb, "imbalance", 1, "max / mean tokens per expert", "expert load imbalance", reference=1.0
+    )
     return [p1] + _save(fig, os.path.join(out_dir, "expert_load_over_time.png"))
 
 
@@ -89,8 +90,18 @@ _MARKERS = "osD^vP*Xh<>p"
 _DASHES = ["-", "--", ":", "-."]
 
 
-def layer_lines_figure(df, column: str, scale: float, ylabel: str, title: str, ylim=None, reference=None,
-                       x: str = "iteration", xlabel: str = "iteration", diagonal: bool = False):
+def layer_lines_figure(
+    df,
+    column: str,
+    scale: float,
+    ylabel: str,
+    title: str,
+    ylim=None,
+    reference=None,
+    x: str = "iteration",
+    xlabel: str = "iteration",
+    diagonal: bool = False,
+):
     """One line per layer of ``column`` over ``x`` (iterations by default): whole-number x ticks, and
     a y axis from 0 (an all-zero series shows as zero on a 0..1 axis, not as noise around it);
     ``diagonal``: a grey line from (0, 0) to the last x at the top of the scale (the uniform
@@ -100,8 +111,16 @@ def layer_lines_figure(df, column: str, scale: float, ylabel: str, title: str, y
     fig, ax = plt.subplots(figsize=(7, 4))
     colors = plt.get_cmap("tab10" if df["layer"].nunique() <= 10 else "tab20").colors
     for i, (layer, d) in enumerate(df.groupby("layer")):
-        ax.plot(d[x], scale * d[column], color=colors[i % len(colors)], ls=_DASHES[i // len(colors) % 4],
-                marker=_MARKERS[i % len(_MARKERS)], markerfacecolor="none", ms=5 + (i % 3), label=f"layer {layer}")
+        ax.plot(
+            d[x],
+            scale * d[column],
+            color=colors[i % len(colors)],
+            ls=_DASHES[i // len(colors) % 4],
+            marker=_MARKERS[i % len(_MARKERS)],
+            markerfacecolor="none",
+            ms=5 + (i % 3),
+            label=f"layer {layer}",
+        )
     if reference is not None:
         ax.axhline(reference, color="grey", lw=0.8, ls="--")
     if diagonal:
@@ -117,23 +136,46 @@ def layer_lines_figure(df, column: str, scale: float, ylabel: str, title: str, y
     return fig
 
 
-def _per_layer_lines(df, column: str, scale: float, ylabel: str, title: str, path: str, ylim=None,
-                     x: str = "iteration", xlabel: str = "iteration", diagonal: bool = False) -> list[str]:
+def _per_layer_lines(
+    df,
+    column: str,
+    scale: float,
+    ylabel: str,
+    title: str,
+    path: str,
+    ylim=None,
+    x: str = "iteration",
+    xlabel: str = "iteration",
+    diagonal: bool = False,
+) -> list[str]:
     if df.empty:
         return []
-    return _save(layer_lines_figure(df, column, scale, ylabel, title, ylim, x=x, xlabel=xlabel, diagonal=diagonal),
-                 path)
+    return _save(
+        layer_lines_figure(df, column, scale, ylabel, title, ylim, x=x, xlabel=xlabel, diagonal=diagonal), path
+    )
 
 
 def plot_drop_rate(rate, out_dir: str) -> list[str]:
-    return _per_layer_lines(rate, "drop_rate", 100, "dropped token slots (%)", "capacity-factor drops",
-                            os.path.join(out_dir, "drop_rate.png"))
+    return _per_layer_lines(
+        rate,
+        "drop_rate",
+        100,
+        "dropped token slots (%)",
+        "capacity-factor drops",
+        os.path.join(out_dir, "drop_rate.png"),
+    )
 
 
 def plot_entropy(ent, out_dir: str) -> list[str]:
-    return _per_layer_lines(ent, "entropy_normalized", 1, "routing entropy / log(E)",
-                            "router entropy (1 = uniform, 0 = collapsed)", os.path.join(out_dir, "router_entropy.png"),
-                            ylim=(0, 1.05))
+    return _per_layer_lines(
+        ent,
+        "entropy_normalized",
+        1,
+        "routing entropy / log(E)",
+        "router entropy (1 = uniform, 0 = collapsed)",
+        os.path.join(out_dir, "router_entropy.png"),
+        ylim=(0, 1.05),
+    )
 
 
 def plot_attention(pattern, title: str, out_dir: str) -> list[str]:
@@ -152,17 +194,29 @@ def plot_hot_experts(heatmap, out_dir: str, max_panels: int = 4) -> list[str]:
     panels = []
     for start in pick:
         d = heatmap[heatmap.window_start == start]
-        panels.append((f"iterations {start}-{int(d['window_end'].iloc[0])}",
-                       d.pivot(index="layer", columns="expert", values="share").fillna(0)))
+        panels.append(
+            (
+                f"iterations {start}-{int(d['window_end'].iloc[0])}",
+                d.pivot(index="layer", columns="expert", values="share").fillna(0),
+            )
+        )
     p = os.path.join(out_dir, "hot_experts.png")
     _layer_expert_panels(panels, "inferno", "share of routed slots", "hot experts (router choices before dropping)", p)
     return [p]
 
 
 def plot_coverage(coverage, out_dir: str) -> list[str]:
-    return _per_layer_lines(coverage, "coverage", 100, "routed slots covered (%)", "top-N coverage",
-                            os.path.join(out_dir, "topn_coverage.png"), x="top_n", xlabel="N most chosen experts",
-                            diagonal=True)
+    return _per_layer_lines(
+        coverage,
+        "coverage",
+        100,
+        "routed slots covered (%)",
+        "top-N coverage",
+        os.path.join(out_dir, "topn_coverage.png"),
+        x="top_n",
+        xlabel="N most chosen experts",
+        diagonal=True,
+    )
 
 
 def plot_predictability(table, out_dir: str) -> list[str]:
@@ -182,7 +236,9 @@ def plot_loss_vs_routing(table, out_dir: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4))
     for layer, d in table.groupby("layer"):
         line = ax.plot(d["iteration"], d["loss_dropped"], marker=".", label=f"layer {layer}: a route dropped")[0]
-        ax.plot(d["iteration"], d["loss_kept"], marker=".", ls="--", color=line.get_color(), label=f"layer {layer}: kept")
+        ax.plot(
+            d["iteration"], d["loss_kept"], marker=".", ls="--", color=line.get_color(), label=f"layer {layer}: kept"
+        )
     ax.set_xlabel("iteration")
     ax.set_ylabel("mean per-token loss")
     ax.set_title("loss of tokens with dropped vs kept routes")
@@ -195,7 +251,9 @@ def main(argv=None) -> list[str]:
     ap.add_argument("store", help="store directory or ClickHouse URL")
     ap.add_argument("--run", default=None, help="run id (default: latest)")
     ap.add_argument("--out", default="dmi_plots")
-    ap.add_argument("--iteration", type=int, default=None, help="iteration of the attention plot (default: last with attn.q)")
+    ap.add_argument(
+        "--iteration", type=int, default=None, help="iteration of the attention plot (default: last with attn.q)"
+    )
     ap.add_argument("--layer", type=int, default=None, help="layer of the attention plot (default: first with attn.q)")
     ap.add_argument("--head", type=int, default=0)
     ap.add_argument("--microbatch", type=int, default=0)

@@ -23,8 +23,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             body, status = b"Ok.\n", 200
         else:
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            body = ("Code: 516. DB::Exception: proxy refused the request; request headers were:\n"
-                    + "".join(f"{k}: {v}\n" for k, v in self.headers.items())).encode()
+            body = (
+                "Code: 516. DB::Exception: proxy refused the request; request headers were:\n"
+                + "".join(f"{k}: {v}\n" for k, v in self.headers.items())
+            ).encode()
             status = 500
         self.send_response(status)
         if status != 200 and CLICKHOUSE_CODE:

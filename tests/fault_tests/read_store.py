@@ -20,32 +20,53 @@ from megatron.core.dmi.reader import open_store
 def read(store_dir: str, extra_tables: list[str]) -> dict:
     with open_store(store_dir) as s:
         ing = s.ingest_result
-        out = {"ingest": {"loaded": ing.segments_loaded, "corrupt": ing.segments_corrupt, "records": ing.records,
-                          "errors": ing.errors}, "runs": {}, "extra": {}}
+        out = {
+            "ingest": {
+                "loaded": ing.segments_loaded,
+                "corrupt": ing.segments_corrupt,
+                "records": ing.records,
+                "errors": ing.errors,
+            },
+            "runs": {},
+            "extra": {},
+        }
         for t in extra_tables:
-            out["extra"][t] = s.sql(f"SELECT count() AS n FROM (SELECT DISTINCT run_id, iteration, microbatch, layer, "
-                                    f"output, rank, attempt FROM {s.t(t)})").column("n")[0].as_py()
+            out["extra"][t] = (
+                s.sql(
+                    f"SELECT count() AS n FROM (SELECT DISTINCT run_id, iteration, microbatch, layer, "
+                    f"output, rank, attempt FROM {s.t(t)})"
+                )
+                .column("n")[0]
+                .as_py()
+            )
         runs = s.runs()
         for run_id in runs["run_id"]:
             d = s.describe(run_id)
-            rows = s.sql(f"SELECT attempt, phase, iteration, microbatch, layer, output, rank FROM {s.t('tensors')} FINAL "
-                         "WHERE run_id = {r:String}", {"r": run_id}).to_pylist()
+            rows = s.sql(
+                f"SELECT attempt, phase, iteration, microbatch, layer, output, rank FROM {s.t('tensors')} FINAL "
+                "WHERE run_id = {r:String}",
+                {"r": run_id},
+            ).to_pylist()
             per_attempt = collections.Counter(r["attempt"] for r in rows)
             vis = s.visible_attempts(run_id)
             visible = [r for r in rows if vis.get((r["phase"], r["iteration"])) == r["attempt"]]
-            keys = collections.Counter((r["phase"], r["iteration"], r["microbatch"], r["layer"], r["output"], r["rank"])
-                                       for r in visible)
+            keys = collections.Counter(
+                (r["phase"], r["iteration"], r["microbatch"], r["layer"], r["output"], r["rank"]) for r in visible
+            )
             per_iter = collections.Counter(r["iteration"] for r in visible)
             # every visible tensor rebuilds
             rebuilt = 0
-            for (phase, it, mb, layer, output, _rank) in keys:
+            for phase, it, mb, layer, output, _rank in keys:
                 s.tensor(run_id, output, it, mb, layer, phase=phase)
                 rebuilt += 1
             reps = s.reports(run_id)
-            cfg = s.sql(f"SELECT config_json, versions_json FROM {s.t('runs')} WHERE run_id = {{r:String}}",
-                        {"r": run_id}).to_pylist()
+            cfg = s.sql(
+                f"SELECT config_json, versions_json FROM {s.t('runs')} WHERE run_id = {{r:String}}", {"r": run_id}
+            ).to_pylist()
             out["runs"][run_id] = {
-                "records": d.records, "superseded": d.superseded_records, "dropped": d.dropped_records,
+                "records": d.records,
+                "superseded": d.superseded_records,
+                "dropped": d.dropped_records,
                 "rows_per_attempt": {str(k): v for k, v in sorted(per_attempt.items())},
                 "visible_per_iteration": {str(k): v for k, v in sorted(per_iter.items())},
                 "duplicate_visible_keys": sum(1 for v in keys.values() if v > 1),

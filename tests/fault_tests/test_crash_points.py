@@ -55,7 +55,9 @@ def test_kill_around_a_checkpoint_then_resume_is_one_run_with_every_iteration_on
     run_id = out.split("DMI: run ", 1)[1].split()[0]
 
     # the scheduler follows the new --train-iters (a resume after a finished run trains further)
-    rc, out2 = train(tmp, common + ["--train-iters", str(resume_iters), "--load", ckpt, "--override-opt-param-scheduler"])
+    rc, out2 = train(
+        tmp, common + ["--train-iters", str(resume_iters), "--load", ckpt, "--override-opt-param-scheduler"]
+    )
     assert rc == 0, out2[-4000:]
     assert f"DMI: run {run_id} attempt 2" in out2, out2[-3000:]  # the same run, its second attempt
     line = report_line(out2)

@@ -40,16 +40,22 @@ def train(tmp, args, fault="", at=3, env=None, timeout=300):
 
 
 def read_store(store, *extra):
-    p = subprocess.run([sys.executable, os.path.join(HERE, "read_store.py"), store, *extra], capture_output=True,
-                       text=True, cwd=REPO, timeout=300)
+    p = subprocess.run(
+        [sys.executable, os.path.join(HERE, "read_store.py"), store, *extra],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("READ_STORE "))
-    return json.loads(line[len("READ_STORE "):]), p.stdout + p.stderr
+    return json.loads(line[len("READ_STORE ") :]), p.stdout + p.stderr
 
 
 def cli(*args):
-    p = subprocess.run([sys.executable, "-m", "megatron.core.dmi", *args], capture_output=True, text=True, cwd=REPO,
-                       timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "megatron.core.dmi", *args], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
     return p.returncode, p.stdout + p.stderr
 
 
@@ -103,17 +109,37 @@ def spool_run(tmp_path_factory):
         f.write(SECRET)
     os.chmod(pwfile, 0o600)
     store = os.path.join(tmp, "store")
-    rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-persist", "spool", "--dmi-clickhouse-url", "http://127.0.0.1:1",
-                          "--dmi-clickhouse-password-file", pwfile, "--dmi-store-dir", store,
-                          "--save", os.path.join(tmp, "ckpt"), "--save-interval", "1", *TORCH_CKPT])
+    rc, out = train(
+        tmp,
+        [
+            "--dmi-hooks",
+            "router",
+            "--dmi-persist",
+            "spool",
+            "--dmi-clickhouse-url",
+            "http://127.0.0.1:1",
+            "--dmi-clickhouse-password-file",
+            pwfile,
+            "--dmi-store-dir",
+            store,
+            "--save",
+            os.path.join(tmp, "ckpt"),
+            "--save-interval",
+            "1",
+            *TORCH_CKPT,
+        ],
+    )
     assert rc == 0, out[-4000:]
     return tmp, store, out
 
 
 def test_unreachable_url_at_start_is_a_clear_startup_error(tmp_path):
     store = str(tmp_path / "store")
-    rc, out = train(str(tmp_path), ["--dmi-hooks", "router", "--dmi-clickhouse-url", "http://127.0.0.1:1",
-                                    "--dmi-store-dir", store], env={"DMI_CLICKHOUSE_PASSWORD": SECRET})
+    rc, out = train(
+        str(tmp_path),
+        ["--dmi-hooks", "router", "--dmi-clickhouse-url", "http://127.0.0.1:1", "--dmi-store-dir", store],
+        env={"DMI_CLICKHOUSE_PASSWORD": SECRET},
+    )
     assert rc == 1, out[-3000:]
     err = [ln for ln in out.splitlines() if ln.startswith("error: argument --dmi-clickhouse-url")]
     assert err and "unreachable" in err[0] and "--dmi-persist spool" in err[0], out[-3000:]
@@ -181,12 +207,17 @@ def test_password_never_leaks_and_store_is_owner_only(spool_run):
 # -- the server dies right after start-up: everything spools, nothing crashes ----------------------
 def test_server_gone_after_startup_spools_reports_and_loads_exactly(tmp_path):
     tmp = str(tmp_path)
-    srv = subprocess.Popen([sys.executable, os.path.join(HERE, "ping_once_server.py")], stdout=subprocess.PIPE, text=True)
+    srv = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "ping_once_server.py")], stdout=subprocess.PIPE, text=True
+    )
     try:
         port = int(srv.stdout.readline())
         store = os.path.join(tmp, "store")
-        rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-clickhouse-url", f"http://dmi@127.0.0.1:{port}",
-                              "--dmi-store-dir", store], env={"DMI_CLICKHOUSE_PASSWORD": SECRET})
+        rc, out = train(
+            tmp,
+            ["--dmi-hooks", "router", "--dmi-clickhouse-url", f"http://dmi@127.0.0.1:{port}", "--dmi-store-dir", store],
+            env={"DMI_CLICKHOUSE_PASSWORD": SECRET},
+        )
     finally:
         try:
             srv.wait(timeout=10)
@@ -221,7 +252,9 @@ def test_tensors_table_renamed_mid_run_spools_reports_and_loses_nothing(tmp_path
     assert f"tensors table held {2 * PER_ITER} records" in out  # before the fault: iterations 1-2 stored
     assert "DMI ingest pass failed" in out or "DMI final ingest failed" in out
     line = report_line(out)
-    assert "captured 64 records" in line and f"written {2 * PER_ITER}" in line and f"spooled {2 * PER_ITER}" in line, line
+    assert "captured 64 records" in line and f"written {2 * PER_ITER}" in line and f"spooled {2 * PER_ITER}" in line, (
+        line
+    )
     assert "UNKNOWN_TABLE" in line  # the report names the failure
     assert spool_rows(store) == 2 * PER_ITER  # iterations 3-4 wait in the spool
     assert_written_is_what_the_store_holds(out, store, "tensors_moved")  # where the stored ones went
@@ -249,15 +282,33 @@ def test_disk_full_while_spooling_drops_loudly_and_keeps_what_was_written(tmp_pa
     tmp = str(tmp_path)
     with mounted_tmpfs(tmp, "1m") as mnt:
         store = os.path.join(mnt, "store")
-        rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-persist", "spool", "--dmi-store-dir", store,
-                              "--save", os.path.join(tmp, "ckpt"), "--save-interval", "1", *TORCH_CKPT],
-                        fault="disk_full", at=3, env={"DMI_FAULT_FILL_DIR": mnt})
+        rc, out = train(
+            tmp,
+            [
+                "--dmi-hooks",
+                "router",
+                "--dmi-persist",
+                "spool",
+                "--dmi-store-dir",
+                store,
+                "--save",
+                os.path.join(tmp, "ckpt"),
+                "--save-interval",
+                "1",
+                *TORCH_CKPT,
+            ],
+            fault="disk_full",
+            at=3,
+            env={"DMI_FAULT_FILL_DIR": mnt},
+        )
         assert rc == 0, out[-4000:]  # training continued
         assert "filled the file system" in out
         assert "iteration        4/       4" in out
         assert "(disk full); those rows are DROPPED" in out  # the loud warning
         line = report_line(out)
-        assert "captured 64 records" in line and f"written {2 * PER_ITER}" in line and f"dropped {2 * PER_ITER}" in line, line
+        assert (
+            "captured 64 records" in line and f"written {2 * PER_ITER}" in line and f"dropped {2 * PER_ITER}" in line
+        ), line
         assert spool_rows(store) == 2 * PER_ITER  # the segments written before the fault are intact
         assert not glob.glob(os.path.join(store, "spool", "*", ".*.tmp"))  # and no half-written file
         os.unlink(os.path.join(mnt, "filler.bin"))
@@ -281,9 +332,17 @@ def test_nearly_full_store_disk_reports_only_what_the_store_holds(tmp_path, marg
     tmp = str(tmp_path)
     with mounted_tmpfs(tmp, "20m") as mnt:
         store = os.path.join(mnt, "store")
-        rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-store-dir", store], fault="disk_full", at=3,
-                        env={"DMI_FAULT_FILL_DIR": mnt, "DMI_FAULT_LEAVE_BYTES": str(int(leave * 2**20)),
-                             "DMI_STORE_MIN_FREE_MB": margin_mb})
+        rc, out = train(
+            tmp,
+            ["--dmi-hooks", "router", "--dmi-store-dir", store],
+            fault="disk_full",
+            at=3,
+            env={
+                "DMI_FAULT_FILL_DIR": mnt,
+                "DMI_FAULT_LEAVE_BYTES": str(int(leave * 2**20)),
+                "DMI_STORE_MIN_FREE_MB": margin_mb,
+            },
+        )
         assert rc == 0, out[-4000:]
         assert "filled the file system" in out and "iteration        4/       4" in out
         said = "ingest paused" if margin_mb != "0" else "not found in the store after the insert"
@@ -301,8 +360,19 @@ def test_nearly_full_store_disk_reports_only_what_the_store_holds(tmp_path, marg
 def test_kill_9_then_resume_stores_every_iteration_exactly_once(tmp_path):
     tmp = str(tmp_path)
     store, ckpt = os.path.join(tmp, "store"), os.path.join(tmp, "ckpt")
-    common = ["--dmi-hooks", "router", "--dmi-store-dir", store, "--save", ckpt, "--save-interval", "2",
-              "--train-iters", "6", *TORCH_CKPT]
+    common = [
+        "--dmi-hooks",
+        "router",
+        "--dmi-store-dir",
+        store,
+        "--save",
+        ckpt,
+        "--save-interval",
+        "2",
+        "--train-iters",
+        "6",
+        *TORCH_CKPT,
+    ]
     rc, out = train(tmp, common, fault="kill", at=4)
     assert rc == -9, out[-3000:]
     assert "FAULT kill at iteration 4: captured 48 records" in out and "DMI end-of-run report" not in out
@@ -318,8 +388,14 @@ def test_kill_9_then_resume_stores_every_iteration_exactly_once(tmp_path):
     run = only_run(read_store(store)[0])
     assert run["visible_per_iteration"] == {str(i): PER_ITER for i in range(1, 7)}
     assert run["duplicate_visible_keys"] == 0
-    assert run["visible_attempt"] == {"train:1": 1, "train:2": 1, "train:3": 2, "train:4": 2, "train:5": 2,
-                                      "train:6": 2}
+    assert run["visible_attempt"] == {
+        "train:1": 1,
+        "train:2": 1,
+        "train:3": 2,
+        "train:4": 2,
+        "train:5": 2,
+        "train:6": 2,
+    }
     assert run["rows_per_attempt"]["1"] == 3 * PER_ITER and run["superseded"] == PER_ITER
     assert run["rebuilt"] == 6 * PER_ITER
 
@@ -343,9 +419,17 @@ def test_a_second_run_on_a_live_store_stops_at_startup_naming_the_holder(tmp_pat
     tmp = str(tmp_path)
     store = os.path.join(tmp, "store")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from megatron.core.dmi.sinks.owner import claim_rank_dir; "
-         "claim_rank_dir(sys.argv[1], 'first-run'); print('held', flush=True); time.sleep(600)",
-         os.path.join(store, "spool", "rank-00000")], stdout=subprocess.PIPE, text=True, cwd=REPO)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from megatron.core.dmi.sinks.owner import claim_rank_dir; "
+            "claim_rank_dir(sys.argv[1], 'first-run'); print('held', flush=True); time.sleep(600)",
+            os.path.join(store, "spool", "rank-00000"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-store-dir", store], timeout=240)

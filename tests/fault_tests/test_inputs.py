@@ -24,14 +24,52 @@ def _parser():
 
 
 VALUE_FLAGS = [a for a in _parser()._actions if any(o.startswith("--dmi-") for o in a.option_strings) and a.nargs != 0]
-HOSTILE = st.sampled_from([
-    "", " ", "-1", "0", "nan", "inf", "-inf", "1e400", "1e-400", "9" * 5000, "0x10", "٣", "²", "0-99999999999",
-    "router,", ",", "all,none", "router;DROP TABLE x", "dmi'; DROP DATABASE dmi; --", "`dmi`", "a.b", "\x00", "\n",
-    "http://", "http://:80", "http://h:99999", "http://h:-1", "http://u:p@h:1", "ftp://h:1", "http://[::1", "http://h:1/x",
-    "http://h:1?q=1", "../../etc/passwd", "4-2", "0,4-7", "train,valid", "valid", "train,test", "x" * 200,
-])
-VALUES = st.one_of(HOSTILE, st.text(max_size=40), st.integers(-10**30, 10**30).map(str),
-                   st.floats(allow_nan=True).map(str))
+HOSTILE = st.sampled_from(
+    [
+        "",
+        " ",
+        "-1",
+        "0",
+        "nan",
+        "inf",
+        "-inf",
+        "1e400",
+        "1e-400",
+        "9" * 5000,
+        "0x10",
+        "٣",
+        "²",
+        "0-99999999999",
+        "router,",
+        ",",
+        "all,none",
+        "router;DROP TABLE x",
+        "dmi'; DROP DATABASE dmi; --",
+        "`dmi`",
+        "a.b",
+        "\x00",
+        "\n",
+        "http://",
+        "http://:80",
+        "http://h:99999",
+        "http://h:-1",
+        "http://u:p@h:1",
+        "ftp://h:1",
+        "http://[::1",
+        "http://h:1/x",
+        "http://h:1?q=1",
+        "../../etc/passwd",
+        "4-2",
+        "0,4-7",
+        "train,valid",
+        "valid",
+        "train,test",
+        "x" * 200,
+    ]
+)
+VALUES = st.one_of(
+    HOSTILE, st.text(max_size=40), st.integers(-(10**30), 10**30).map(str), st.floats(allow_nan=True).map(str)
+)
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -71,8 +109,18 @@ def test_identifiers_are_plain_or_rejected(name):
     assert name.isascii() and all(c.isalnum() or c == "_" for c in name) and not name[0].isdigit()
 
 
-HOSTILE_NAMES = ["dmi;DROP TABLE x", "dmi'", 'dmi"', "dmi`", "dmi.tensors", "dmi tensors", "dmi--", "1dmi", "",
-                 "dmі"]  # the last one has a Cyrillic i
+HOSTILE_NAMES = [
+    "dmi;DROP TABLE x",
+    "dmi'",
+    'dmi"',
+    "dmi`",
+    "dmi.tensors",
+    "dmi tensors",
+    "dmi--",
+    "1dmi",
+    "",
+    "dmі",
+]  # the last one has a Cyrillic i
 
 
 @pytest.mark.parametrize("name", HOSTILE_NAMES)
@@ -92,16 +140,35 @@ def test_hostile_database_names_are_rejected_everywhere(name, tmp_path):
 
 def test_hostile_database_name_in_a_real_run_and_in_the_cli(tmp_path):
     store = str(tmp_path / "store")
-    p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny_moe_args(), "--cpu-dev-mode",
-                        "--dmi-hooks", "router", "--dmi-store-dir", store,
-                        "--dmi-clickhouse-database", "dmi; DROP DATABASE system"],
-                       capture_output=True, text=True, cwd=str(tmp_path), timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "pretrain_gpt.py"),
+            *tiny_moe_args(),
+            "--cpu-dev-mode",
+            "--dmi-hooks",
+            "router",
+            "--dmi-store-dir",
+            store,
+            "--dmi-clickhouse-database",
+            "dmi; DROP DATABASE system",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
+        timeout=300,
+    )
     assert p.returncode == 2
     assert "error: argument --dmi-clickhouse-database: invalid database name" in p.stderr
     assert "Traceback" not in p.stderr + p.stdout and not os.path.exists(store)
     os.makedirs(store)
-    p = subprocess.run([sys.executable, "-m", "megatron.core.dmi", "show", store, "--database", "x'; DROP TABLE y"],
-                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "megatron.core.dmi", "show", store, "--database", "x'; DROP TABLE y"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert p.returncode == 2 and "invalid database name" in p.stderr and "Traceback" not in p.stderr
 
 
@@ -124,8 +191,13 @@ def test_reserved_databases_are_refused_by_the_flag_the_backends_and_the_cli(nam
         ServerBackend("http://127.0.0.1:1", name)
     os.makedirs(tmp_path / "store")
     for argv in (["show", str(tmp_path / "store")], ["load", str(tmp_path), "--store", str(tmp_path / "store")]):
-        p = subprocess.run([sys.executable, "-m", "megatron.core.dmi", *argv, "--database", name],
-                           capture_output=True, text=True, cwd=REPO, timeout=300)
+        p = subprocess.run(
+            [sys.executable, "-m", "megatron.core.dmi", *argv, "--database", name],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=300,
+        )
         assert p.returncode == 2 and "argument --database" in p.stderr and "reserved" in p.stderr, p.stderr
         assert "Traceback" not in p.stderr
 
@@ -166,18 +238,36 @@ def test_ring_sizes_that_are_not_finite_positive_are_refused(mb):
     assert "error: argument --dmi-ring-mb: ring size must hold at least one" in _parse_error([f"--dmi-ring-mb={mb}"])
 
 
-@pytest.mark.parametrize("flag,value,expect", [
-    ("--dmi-clickhouse-database", "system", "is reserved by ClickHouse"),
-    ("--dmi-run-id", "..", "run id must be"),
-    ("--dmi-ring-mb", "1e6", "does not fit this machine"),
-])
+@pytest.mark.parametrize(
+    "flag,value,expect",
+    [
+        ("--dmi-clickhouse-database", "system", "is reserved by ClickHouse"),
+        ("--dmi-run-id", "..", "run id must be"),
+        ("--dmi-ring-mb", "1e6", "does not fit this machine"),
+    ],
+)
 def test_harmful_values_stop_a_real_run_before_the_model_is_built(flag, value, expect, tmp_path):
     if flag == "--dmi-ring-mb" and 2e6 <= _host_mib():
         pytest.skip("this machine has room for a 1e6 MiB ring")
     store = str(tmp_path / "store")
-    p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny_moe_args(), "--cpu-dev-mode",
-                        "--dmi-hooks", "router", "--dmi-store-dir", store, flag, value],
-                       capture_output=True, text=True, cwd=str(tmp_path), timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "pretrain_gpt.py"),
+            *tiny_moe_args(),
+            "--cpu-dev-mode",
+            "--dmi-hooks",
+            "router",
+            "--dmi-store-dir",
+            store,
+            flag,
+            value,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=str(tmp_path),
+        timeout=300,
+    )
     assert p.returncode == 2, p.stderr[-3000:]
     err = [ln for ln in p.stderr.splitlines() if f"error: argument {flag}:" in ln]
     assert err and expect in err[0], p.stderr[-3000:]

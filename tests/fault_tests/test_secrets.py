@@ -47,13 +47,27 @@ def test_server_echoing_authorization_never_leaks_the_password(server, tmp_path)
     """proxy: a 500 page without ClickHouse's exception code; clickhouse: the same body with the
     code, so the client treats it as a ClickHouse error message and the run reports it."""
     tmp = str(tmp_path)
-    srv = subprocess.Popen([sys.executable, os.path.join(HERE, "echo_headers_server.py")]
-                           + (["--clickhouse-code"] if server == "clickhouse" else []), stdout=subprocess.PIPE, text=True)
+    srv = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "echo_headers_server.py")]
+        + (["--clickhouse-code"] if server == "clickhouse" else []),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(srv.stdout.readline())
         store = os.path.join(tmp, "store")
-        rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-clickhouse-url", f"http://{USER}@127.0.0.1:{port}",
-                              "--dmi-store-dir", store], env={"DMI_CLICKHOUSE_PASSWORD": SECRET})
+        rc, out = train(
+            tmp,
+            [
+                "--dmi-hooks",
+                "router",
+                "--dmi-clickhouse-url",
+                f"http://{USER}@127.0.0.1:{port}",
+                "--dmi-store-dir",
+                store,
+            ],
+            env={"DMI_CLICKHOUSE_PASSWORD": SECRET},
+        )
     finally:
         srv.kill()
         srv.wait()
@@ -63,7 +77,7 @@ def test_server_echoing_authorization_never_leaks_the_password(server, tmp_path)
     assert "ClickHouse server unavailable, spooling locally" in out
     line = report_line(out)
     assert "captured 64 records" in line and "spooled 64" in line and "errors:" in line, line
-    report = out[out.index("DMI end-of-run report"):]  # the errors may span lines
+    report = out[out.index("DMI end-of-run report") :]  # the errors may span lines
     if server == "clickhouse":  # the ClickHouse error is kept, scrubbed
         assert "proxy refused the request" in report and "Authorization: Basic ***" in report, report
     else:  # a foreign error page is not shown at all
@@ -79,8 +93,14 @@ def test_server_echoing_authorization_never_leaks_the_password(server, tmp_path)
     assert_no_secret_under(target)
 
 
-@pytest.mark.parametrize("url", [f"http://{USER}:{SECRET}@127.0.0.1:1", f"http://{USER}:{SECRET}@127.0.0.1:x",
-                                 f"http://{USER}:s3cr3t/value@127.0.0.1:1"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"http://{USER}:{SECRET}@127.0.0.1:1",
+        f"http://{USER}:{SECRET}@127.0.0.1:x",
+        f"http://{USER}:s3cr3t/value@127.0.0.1:1",
+    ],
+)
 def test_a_password_in_a_malformed_url_is_never_echoed(url):
     err = io.StringIO()
     with pytest.raises(SystemExit), contextlib.redirect_stderr(err):

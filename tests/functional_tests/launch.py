@@ -22,32 +22,52 @@ def free_port() -> int:
 
 def tiny_moe_args() -> list[str]:
     """The tiny MoE model of examples/tiny_moe_args.sh (one definition for docs and tests)."""
-    out = subprocess.run(["bash", "-c", f"source {REPO}/examples/tiny_moe_args.sh; printf '%s\\n' \"${{TINY_MOE_ARGS[@]}}\""],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["bash", "-c", f"source {REPO}/examples/tiny_moe_args.sh; printf '%s\\n' \"${{TINY_MOE_ARGS[@]}}\""],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return out.split()
 
 
-def run_pretrain(args: list[str], tmp: str, nproc: int = 1, oracle: bool = True, timeout: int = 600,
-                 check: bool = True) -> subprocess.CompletedProcess:
+def run_pretrain(
+    args: list[str], tmp: str, nproc: int = 1, oracle: bool = True, timeout: int = 600, check: bool = True
+) -> subprocess.CompletedProcess:
     script = os.path.join(HERE, "oracle_launch.py") if oracle else os.path.join(REPO, "pretrain_gpt.py")
     env = dict(os.environ, DMI_ORACLE_OUT=os.path.join(tmp, "oracle"), PYTHONUNBUFFERED="1")
     if nproc == 1:
         cmd = [sys.executable, script]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}", script]
-    proc = subprocess.run(cmd + args + ["--cpu-dev-mode"], cwd=tmp, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+            script,
+        ]
+    proc = subprocess.run(
+        cmd + args + ["--cpu-dev-mode"], cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout
+    )
     with open(os.path.join(tmp, "train.log"), "w") as f:
         f.write(shlex.join(cmd + args) + "\n" + proc.stdout + proc.stderr)
     if check and proc.returncode != 0:
-        raise AssertionError(f"pretrain_gpt.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(
+            f"pretrain_gpt.py failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
     return proc
 
 
 def dump_store(store_dir: str, tmp: str) -> dict:
     out = os.path.join(tmp, "dump.pt")
-    subprocess.run([sys.executable, os.path.join(HERE, "store_dump.py"), store_dir, out], check=True, cwd=REPO,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, os.path.join(HERE, "store_dump.py"), store_dir, out],
+        check=True,
+        cwd=REPO,
+        capture_output=True,
+        timeout=300,
+    )
     return torch.load(out, weights_only=False)
 
 

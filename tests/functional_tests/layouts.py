@@ -11,14 +11,58 @@ from dataclasses import dataclass
 from megatron.core.dmi import catalog
 
 BASE_ARGS = [
-    "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
-    "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--train-iters", "2", "--lr", "1e-3", "--seed", "1234", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "128", "--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear",
-    "--transformer-impl", "local", "--no-rope-fusion", "--no-masked-softmax-fusion", "--no-persist-layer-norm",
-    "--no-gradient-accumulation-fusion", "--deterministic-mode", "--use-cpu-initialization", "--log-interval", "1",
-    "--eval-iters", "0", "--eval-interval", "1000", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--dmi-hooks", "router,attn,resid,mlp,loss,logits",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--ffn-hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "2",
+    "--lr",
+    "1e-3",
+    "--seed",
+    "1234",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--disable-bias-linear",
+    "--transformer-impl",
+    "local",
+    "--no-rope-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion",
+    "--deterministic-mode",
+    "--use-cpu-initialization",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--dmi-hooks",
+    "router,attn,resid,mlp,loss,logits",
 ]
 
 
@@ -63,19 +107,43 @@ LAYOUTS = [
     Layout("tp2_sp", 2, ("--tensor-model-parallel-size", "2", "--sequence-parallel")),
     Layout("ep2_alltoall", 2, ("--expert-model-parallel-size", "2"), dispatcher="alltoall"),
     Layout("ep2_allgather", 2, ("--expert-model-parallel-size", "2")),
-    Layout("ep2_etp2", 4, ("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2",
-                           "--global-batch-size", "8")),  # alltoall + ETP gathers uneven tensors: NCCL only, not gloo
-    Layout("tp2_sp_ep2", 4, ("--tensor-model-parallel-size", "2", "--sequence-parallel",
-                             "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"),
-           dispatcher="alltoall"),
+    Layout(
+        "ep2_etp2",
+        4,
+        ("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2", "--global-batch-size", "8"),
+    ),  # alltoall + ETP gathers uneven tensors: NCCL only, not gloo
+    Layout(
+        "tp2_sp_ep2",
+        4,
+        (
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--expert-model-parallel-size",
+            "2",
+            "--expert-tensor-parallel-size",
+            "1",
+        ),
+        dispatcher="alltoall",
+    ),
     Layout("pp2", 2, ("--pipeline-model-parallel-size", "2")),
-    Layout("pp2_vpp2", 2, ("--num-layers", "4", "--pipeline-model-parallel-size", "2",
-                           "--num-layers-per-virtual-pipeline-stage", "1")),
+    Layout(
+        "pp2_vpp2",
+        2,
+        ("--num-layers", "4", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"),
+    ),
     Layout("dp2", 2, ()),
-    Layout("tp2_sp_shared", 2, ("--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                "--moe-shared-expert-intermediate-size", "64")),
-    Layout("ep2_capacity", 2, ("--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0"),
-           dispatcher="alltoall"),
+    Layout(
+        "tp2_sp_shared",
+        2,
+        ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--moe-shared-expert-intermediate-size", "64"),
+    ),
+    Layout(
+        "ep2_capacity",
+        2,
+        ("--expert-model-parallel-size", "2", "--moe-expert-capacity-factor", "1.0"),
+        dispatcher="alltoall",
+    ),
 ]
 BY_NAME = {l.name: l for l in LAYOUTS}
 
@@ -91,8 +159,9 @@ def parse_layers(spec: str | None, num_layers: int) -> list[int]:
 
 
 def captured_iterations(train_iters: int, interval: int = 1, start: int = 1, end: int | None = None) -> list[int]:
-    return [i for i in range(1, train_iters + 1)
-            if i >= start and (end is None or i <= end) and (i - start) % interval == 0]
+    return [
+        i for i in range(1, train_iters + 1) if i >= start and (end is None or i <= end) and (i - start) % interval == 0
+    ]
 
 
 def expected_record_counts(args: list[str], world_size: int) -> dict[str, int]:
@@ -111,6 +180,7 @@ def expected_record_counts(args: list[str], world_size: int) -> dict[str, int]:
 
     Only the train phase is counted (the layouts do not evaluate).
     """
+
     def val(flag, default=None):
         idx = [i for i, a in enumerate(args) if a == flag]
         return args[idx[-1] + 1] if idx else default
@@ -121,8 +191,12 @@ def expected_record_counts(args: list[str], world_size: int) -> dict[str, int]:
     sp = "--sequence-parallel" in args and tp > 1
     dp = world_size // (tp * pp * cp)
     micro = int(val("--global-batch-size")) // (int(val("--micro-batch-size")) * dp)
-    iters = captured_iterations(int(val("--train-iters")), int(val("--dmi-interval", 1)), int(val("--dmi-start-iter", 1)),
-                                int(val("--dmi-end-iter")) if val("--dmi-end-iter") else None)
+    iters = captured_iterations(
+        int(val("--train-iters")),
+        int(val("--dmi-interval", 1)),
+        int(val("--dmi-start-iter", 1)),
+        int(val("--dmi-end-iter")) if val("--dmi-end-iter") else None,
+    )
     num_layers = int(val("--num-layers"))
     layers = parse_layers(val("--dmi-layers"), num_layers)
     moe_layers = set(range(num_layers)) if val("--num-experts") else set()  # --moe-layer-freq 1

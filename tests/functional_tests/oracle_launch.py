@@ -76,11 +76,13 @@ def router_oracle(router, args, output):
     entry = oracle.setdefault((iteration, microbatch, layer), {})
     if microbatch == 0:  # the weight this iteration's forwards use
         entry["router.weight"] = router.weight.detach().cpu().clone()
-    entry.update({
-        "router.logits": logits.detach().cpu().clone(),
-        "probs": probs.detach().cpu().clone(),
-        "routing_map": routing_map.detach().cpu().clone(),
-    })
+    entry.update(
+        {
+            "router.logits": logits.detach().cpu().clone(),
+            "probs": probs.detach().cpu().clone(),
+            "routing_map": routing_map.detach().cpu().clone(),
+        }
+    )
 
 
 def attention_oracle(layer_number):
@@ -133,7 +135,8 @@ def layer_oracles(layer_module):
     layer_module.mlp.register_forward_hook(mlp_output)
     if getattr(layer_module.mlp, "shared_experts", None) is not None:
         layer_module.mlp.shared_experts.register_forward_hook(
-            lambda module, args, output: keep("shared", "mlp.shared", output, module))
+            lambda module, args, output: keep("shared", "mlp.shared", output, module)
+        )
     if last:
         layer_module.register_forward_hook(layer_output)
 
@@ -191,7 +194,8 @@ def logits_oracles(model):
         with torch.no_grad():
             logits = _gather_tp(output[0].detach(), -1)
         oracle.setdefault((iteration, microbatch, args_.num_layers - 1), {}).update(
-            logits=logits.cpu().clone(), labels=labels.t().cpu().clone())
+            logits=logits.cpu().clone(), labels=labels.t().cpu().clone()
+        )
 
     model.register_forward_pre_hook(take_labels, with_kwargs=True)
     model.output_layer.register_forward_hook(logits_hook)

@@ -97,9 +97,17 @@ def model_args(cfg: dict, platform: str, subst: dict[str, str]) -> list[str]:
     return out
 
 
-def launch(args: list[str], nproc: int, workdir: str, log_name: str, env_vars: dict | None = None,
-           kill_after: int | None = None, oracle_dir: str | None = None, timeout: int = 600,
-           torchrun: bool = False) -> tuple[int, str]:
+def launch(
+    args: list[str],
+    nproc: int,
+    workdir: str,
+    log_name: str,
+    env_vars: dict | None = None,
+    kill_after: int | None = None,
+    oracle_dir: str | None = None,
+    timeout: int = 600,
+    torchrun: bool = False,
+) -> tuple[int, str]:
     """Run pretrain_gpt.py (through the test launcher when a kill or an oracle is wanted). One CPU
     process runs bare (the CPU mode sets up its own rendezvous); otherwise torch.distributed.run."""
     test_launcher = kill_after is not None or oracle_dir is not None
@@ -107,8 +115,14 @@ def launch(args: list[str], nproc: int, workdir: str, log_name: str, env_vars: d
     if nproc == 1 and not torchrun:
         cmd = [sys.executable, script]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", script]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}",
+            script,
+        ]
     cmd += args
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.update({k: str(v) for k, v in (env_vars or {}).items()})
@@ -135,8 +149,14 @@ def dump_store(store_dir: str, out: str, load: str | None = None, timeout: int =
     import torch
 
     cmd = [sys.executable, os.path.join(HERE, "store_dump.py"), store_dir, out] + (["--load", load] if load else [])
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", "")),
+    )
     if proc.returncode != 0:
         raise CaseFailure(f"reading the DMI store {store_dir} failed:\n{proc.stderr[-4000:]}")
     return torch.load(out, weights_only=False)
@@ -157,8 +177,12 @@ def summarize(dump: dict, losses: dict[int, float]) -> dict:
     checksums = {"/".join(map(str, k)): tensor_crc(t) for k, t in sorted(dump["tensors"].items())}
     steps = sorted(losses)
     return {
-        "lm loss": {"start_step": steps[0] if steps else 0, "end_step": steps[-1] if steps else 0, "step_interval": 1,
-                    "values": {str(s): losses[s] for s in steps}},
+        "lm loss": {
+            "start_step": steps[0] if steps else 0,
+            "end_step": steps[-1] if steps else 0,
+            "step_interval": 1,
+            "values": {str(s): losses[s] for s in steps},
+        },
         "dmi_iterations": {p: sorted(v) for p, v in sorted(iterations.items())},
         "dmi_record_counts": dict(sorted(counts.items())),
         "dmi_checksums": checksums,
@@ -179,8 +203,10 @@ def compare(actual: dict, golden: dict) -> list[str]:
             problems.append(f"{field}: {actual[field]} vs golden {golden[field]}")
     ga, aa = golden["dmi_checksums"], actual["dmi_checksums"]
     if set(ga) != set(aa):
-        problems.append(f"checksummed tensors differ: missing {sorted(set(ga) - set(aa))[:5]}, "
-                        f"unexpected {sorted(set(aa) - set(ga))[:5]}")
+        problems.append(
+            f"checksummed tensors differ: missing {sorted(set(ga) - set(aa))[:5]}, "
+            f"unexpected {sorted(set(aa) - set(ga))[:5]}"
+        )
     bad = [k for k in ga if k in aa and ga[k] != aa[k]]
     if bad:
         problems.append(f"{len(bad)} checksum(s) differ, e.g. {bad[:5]}")
@@ -193,8 +219,14 @@ def compare(actual: dict, golden: dict) -> list[str]:
 CPU_ISA_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2,STRICT", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
-def run_case(case_dir: str, platform: str = "cpu", workdir: str | None = None, compare_only: bool = False,
-             oracle: bool = False, launch_only: bool = False) -> dict:
+def run_case(
+    case_dir: str,
+    platform: str = "cpu",
+    workdir: str | None = None,
+    compare_only: bool = False,
+    oracle: bool = False,
+    launch_only: bool = False,
+) -> dict:
     """Run one case (or, with ``compare_only``, read a workdir a GPU run left) and return
     {"summary", "dump", "logs", "workdir"}. Raises CaseFailure if a run fails. ``launch_only``:
     train and stop (the store is read later with ``compare_only``); returns only the logs."""
@@ -202,8 +234,11 @@ def run_case(case_dir: str, platform: str = "cpu", workdir: str | None = None, c
     workdir = workdir or tempfile.mkdtemp(prefix="dmi-ft-")
     os.makedirs(workdir, exist_ok=True)
     store = os.path.join(workdir, "dmi_store")
-    subst = {"CHECKPOINT_PATH": os.path.join(workdir, "checkpoints"), "DMI_STORE": store,
-             "TENSORBOARD_PATH": os.path.join(workdir, "tensorboard")}
+    subst = {
+        "CHECKPOINT_PATH": os.path.join(workdir, "checkpoints"),
+        "DMI_STORE": store,
+        "TENSORBOARD_PATH": os.path.join(workdir, "tensorboard"),
+    }
     args = model_args(cfg, platform, subst)
     nproc = int(cfg["NPROC"])
     env_vars = {**(CPU_ISA_ENV if platform == "cpu" else {}), **cfg["ENV_VARS"]}
@@ -213,18 +248,23 @@ def run_case(case_dir: str, platform: str = "cpu", workdir: str | None = None, c
         oracle_dir = os.path.join(workdir, "oracle") if oracle else None
         if cfg["TEST_TYPE"] == "ckpt-resume":
             kill = int(cfg.get("KILL_AFTER_ITER", 3))
-            rc, log = launch(args, nproc, workdir, "train_attempt1.log", env_vars, kill_after=kill,
-                             torchrun=platform != "cpu")
+            rc, log = launch(
+                args, nproc, workdir, "train_attempt1.log", env_vars, kill_after=kill, torchrun=platform != "cpu"
+            )
             logs.append(log)
             if rc == 0:
-                raise CaseFailure(f"attempt 1 was to be killed after iteration {kill} but exited cleanly:\n{log[-3000:]}")
+                raise CaseFailure(
+                    f"attempt 1 was to be killed after iteration {kill} but exited cleanly:\n{log[-3000:]}"
+                )
             if f"iteration {kill:8d}/" not in log:
                 raise CaseFailure(f"attempt 1 died before iteration {kill}:\n{log[-5000:]}")
-            rc, log = launch(args, nproc, workdir, "train_attempt2.log", env_vars, oracle_dir=oracle_dir,
-                             torchrun=platform != "cpu")
+            rc, log = launch(
+                args, nproc, workdir, "train_attempt2.log", env_vars, oracle_dir=oracle_dir, torchrun=platform != "cpu"
+            )
         else:
-            rc, log = launch(args, nproc, workdir, "train.log", env_vars, oracle_dir=oracle_dir,
-                             torchrun=platform != "cpu")
+            rc, log = launch(
+                args, nproc, workdir, "train.log", env_vars, oracle_dir=oracle_dir, torchrun=platform != "cpu"
+            )
         logs.append(log)
         if rc != 0:
             raise CaseFailure(f"pretrain_gpt.py failed (rc {rc}):\n{log[-6000:]}")
@@ -258,8 +298,10 @@ def check_case(case_dir: str, platform: str = "cpu", **kwargs) -> dict:
         golden = json.load(f)
     problems = compare(result["summary"], golden)
     if problems:
-        raise CaseFailure(f"{case_dir} ({platform}) differs from {os.path.basename(path)} (workdir {result['workdir']}):\n  "
-                          + "\n  ".join(problems))
+        raise CaseFailure(
+            f"{case_dir} ({platform}) differs from {os.path.basename(path)} (workdir {result['workdir']}):\n  "
+            + "\n  ".join(problems)
+        )
     return result
 
 
@@ -303,8 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for case in cases:
         t0 = time.monotonic()
-        workdir = a.workdir if a.workdir and len(cases) == 1 else (
-            os.path.join(a.workdir, os.path.relpath(case, CASES)) if a.workdir else None)
+        workdir = (
+            a.workdir
+            if a.workdir and len(cases) == 1
+            else (os.path.join(a.workdir, os.path.relpath(case, CASES)) if a.workdir else None)
+        )
         nproc = int(load_case(case)["NPROC"])
         if a.platform != "cpu" and not a.compare_only and nproc > _visible_gpus():
             print(f"SKIPPED {case}: needs {nproc} GPUs, {_visible_gpus()} visible")

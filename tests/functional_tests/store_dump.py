@@ -15,9 +15,31 @@ import torch
 
 from megatron.core.dmi.reader import ReconstructionError, StoreError, open_store
 
-KEY_COLUMNS = ("phase", "iteration", "attempt", "microbatch", "invocation", "layer", "output", "rank", "tp", "pp",
-               "vpp", "dp", "cp", "ep", "etp", "shard_index", "shard_count", "token_start", "token_end",
-               "token_total", "dtype", "shape", "checksum")
+KEY_COLUMNS = (
+    "phase",
+    "iteration",
+    "attempt",
+    "microbatch",
+    "invocation",
+    "layer",
+    "output",
+    "rank",
+    "tp",
+    "pp",
+    "vpp",
+    "dp",
+    "cp",
+    "ep",
+    "etp",
+    "shard_index",
+    "shard_count",
+    "token_start",
+    "token_end",
+    "token_total",
+    "dtype",
+    "shape",
+    "checksum",
+)
 
 
 def tensor_crc(t: torch.Tensor) -> int:
@@ -35,12 +57,20 @@ def dump(store_dir: str, load: str | None = None, tensors: bool = True) -> dict:
         vis = store.visible_attempts(run_id)
         rows = store.sql(
             f"SELECT {', '.join(KEY_COLUMNS)} FROM {store.t('tensors')} FINAL WHERE run_id = {{run:String}} "
-            "ORDER BY phase, iteration, attempt, microbatch, layer, output, rank", {"run": run_id}).to_pylist()
+            "ORDER BY phase, iteration, attempt, microbatch, layer, output, rank",
+            {"run": run_id},
+        ).to_pylist()
         for r in rows:
             r["visible"] = vis.get((r["phase"], r["iteration"])) == r["attempt"]
-        out = {"run_id": run_id, "runs": runs.to_dict("records"), "rows": rows,
-               "attempts": store.attempts(run_id).to_dict("records"),
-               "topology": store.topology(run_id).to_dict("records"), "tensors": {}, "errors": {}}
+        out = {
+            "run_id": run_id,
+            "runs": runs.to_dict("records"),
+            "rows": rows,
+            "attempts": store.attempts(run_id).to_dict("records"),
+            "topology": store.topology(run_id).to_dict("records"),
+            "tensors": {},
+            "errors": {},
+        }
         if tensors:
             for r in rows:
                 if not r["visible"]:
@@ -49,8 +79,16 @@ def dump(store_dir: str, load: str | None = None, tensors: bool = True) -> dict:
                 if k in out["tensors"] or k in out["errors"]:
                     continue
                 try:
-                    out["tensors"][k] = store.tensor(run_id, r["output"], r["iteration"], r["microbatch"], r["layer"],
-                                                     phase=r["phase"], dp=r["dp"], invocation=r["invocation"])
+                    out["tensors"][k] = store.tensor(
+                        run_id,
+                        r["output"],
+                        r["iteration"],
+                        r["microbatch"],
+                        r["layer"],
+                        phase=r["phase"],
+                        dp=r["dp"],
+                        invocation=r["invocation"],
+                    )
                 except (ReconstructionError, StoreError) as exc:
                     out["errors"][k] = str(exc)
         return out

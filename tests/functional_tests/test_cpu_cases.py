@@ -33,8 +33,9 @@ def _rows(res, **match):
 
 def test_same_seed_twice_gives_identical_checksums(tmp_path_factory):
     first = result("tiny_router_attn", tmp_path_factory)["summary"]
-    again = runner.run_case(os.path.join(runner.CASES, "gpt_moe", "tiny_router_attn"), "cpu",
-                            workdir=str(tmp_path_factory.mktemp("again")))["summary"]
+    again = runner.run_case(
+        os.path.join(runner.CASES, "gpt_moe", "tiny_router_attn"), "cpu", workdir=str(tmp_path_factory.mktemp("again"))
+    )["summary"]
     assert again["dmi_checksums"] == first["dmi_checksums"]
     assert again["lm loss"] == first["lm loss"]
 
@@ -56,8 +57,10 @@ def test_log_line_reports_lags(tmp_path_factory):
 
     lines = [ln for ln in result("tiny_router_attn", tmp_path_factory)["logs"][-1].splitlines() if " DMI | " in ln]
     assert len(lines) == 4  # --log-interval 1, 4 iterations
-    pattern = (r"^ DMI \| captured: (\d+) records [0-9.]+ MiB \| dropped: 0 \| drain lag: \d+ records \|"
-               r" persisted: \d+ records \| store lag: \d+ records \| replays rejected: 0 \|$")
+    pattern = (
+        r"^ DMI \| captured: (\d+) records [0-9.]+ MiB \| dropped: 0 \| drain lag: \d+ records \|"
+        r" persisted: \d+ records \| store lag: \d+ records \| replays rejected: 0 \|$"
+    )
     captured = [int(re.match(pattern, ln).group(1)) for ln in lines]
     assert captured == sorted(captured) and captured[-1] > 0
 

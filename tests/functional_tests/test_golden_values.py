@@ -9,8 +9,11 @@ import pytest
 
 from tests.functional_tests.runner import LOSS_RTOL, all_cases, golden_path, load_case
 
-SINGLE_GPU_H200 = [c for c in all_cases() if "h200" in (load_case(c).get("PLATFORMS") or ["cpu", "h200"])
-                   and int(load_case(c)["NPROC"]) == 1]
+SINGLE_GPU_H200 = [
+    c
+    for c in all_cases()
+    if "h200" in (load_case(c).get("PLATFORMS") or ["cpu", "h200"]) and int(load_case(c)["NPROC"]) == 1
+]
 
 
 def golden(case: str, platform: str) -> dict:
@@ -34,5 +37,11 @@ def test_h200_goldens_exist_and_agree_with_cpu(case):
 
 def test_every_single_gpu_h200_case_is_covered():
     assert {os.path.basename(c) for c in SINGLE_GPU_H200} >= {
-        "tiny_router_attn", "selection", "selective_recompute", "full_recompute", "ckpt_resume", "capacity_drop",
-        "cuda_graph_local"}
+        "tiny_router_attn",
+        "selection",
+        "selective_recompute",
+        "full_recompute",
+        "ckpt_resume",
+        "capacity_drop",
+        "cuda_graph_local",
+    }

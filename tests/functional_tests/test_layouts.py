@@ -45,8 +45,9 @@ SINGLE_RANK_BITWISE: dict[str, set[tuple[str, int]]] = {}  # filled from the tab
 # EP: layer 0's input and router weight match; its MLP output holds the differently drawn experts.
 _EXACT_LAYER0 = {(o, 0) for o in ALL} | {("resid.in", 0), ("router.weight", 0)}
 _LAST_LAYER_ONLY = ("resid.out", "loss.token") + LOGITS
-_ALL2 = ({(o, l) for o in ALL + RESID_MLP for l in (0, 1) if o not in _LAST_LAYER_ONLY + ("mlp.shared",)}
-         | {(o, 1) for o in _LAST_LAYER_ONLY})
+_ALL2 = {(o, l) for o in ALL + RESID_MLP for l in (0, 1) if o not in _LAST_LAYER_ONLY + ("mlp.shared",)} | {
+    (o, 1) for o in _LAST_LAYER_ONLY
+}
 SINGLE_RANK_EXPECT = {
     "dp2": _ALL2,
     "pp2": _EXACT_LAYER0 | {("mlp.out", 0)},
@@ -75,17 +76,25 @@ def _run(name: str, layout: Layout | None, tmp_path_factory) -> dict:
         args, nproc = layout.full_args(), layout.nproc
     args = args + ["--dmi-persist", "spool", "--dmi-store-dir", store, "--cpu-dev-mode"]
     spool_copy = os.path.join(work, "spool_copy")
-    rc, log = runner.launch(args, nproc, work, "train.log", {"OMP_NUM_THREADS": "1"},
-                            oracle_dir=os.path.join(work, "oracle"))
+    rc, log = runner.launch(
+        args, nproc, work, "train.log", {"OMP_NUM_THREADS": "1"}, oracle_dir=os.path.join(work, "oracle")
+    )
     assert rc == 0, log[-6000:]
     shutil.copytree(os.path.join(store, "spool"), spool_copy)  # the dump below ingests (and removes) the spool
     dump = runner.dump_store(store, os.path.join(work, "dump.pt"))
     oracle = {}
     for path in glob.glob(os.path.join(work, "oracle", "oracle-rank*.pt")):
-        rank = int(os.path.basename(path)[len("oracle-rank"):-3])
+        rank = int(os.path.basename(path)[len("oracle-rank") : -3])
         oracle[rank] = torch.load(path, weights_only=False)
-    _cache[name] = {"dump": dump, "oracle": oracle, "args": args, "nproc": nproc, "work": work, "log": log,
-                    "spool": spool_copy}
+    _cache[name] = {
+        "dump": dump,
+        "oracle": oracle,
+        "args": args,
+        "nproc": nproc,
+        "work": work,
+        "log": log,
+        "spool": spool_copy,
+    }
     return _cache[name]
 
 
@@ -93,9 +102,14 @@ def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.is_floating_point():
-        return torch.equal(a.contiguous().view(torch.uint8 if a.element_size() == 1 else
-                                               {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]),
-                           b.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[b.element_size()]))
+        return torch.equal(
+            a.contiguous().view(
+                torch.uint8
+                if a.element_size() == 1
+                else {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+            ),
+            b.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[b.element_size()]),
+        )
     return torch.equal(a, b)
 
 
@@ -104,9 +118,11 @@ def _topk_consistent(ids, probs, seen, experts=4) -> bool:
     kept = ids < experts
     rows = torch.arange(ids.shape[0]).unsqueeze(1).expand_as(ids)
     chosen[rows[kept], ids[kept].long()] = True
-    return (torch.equal(chosen, seen["routing_map"])
-            and torch.equal(probs[kept], seen["probs"][rows[kept], ids[kept].long()])
-            and bool(torch.all(probs[~kept] == 0)))
+    return (
+        torch.equal(chosen, seen["routing_map"])
+        and torch.equal(probs[kept], seen["probs"][rows[kept], ids[kept].long()])
+        and bool(torch.all(probs[~kept] == 0))
+    )
 
 
 @pytest.mark.parametrize("name", [l.name for l in LAYOUTS])
@@ -161,8 +177,11 @@ def test_layout(name, tmp_path_factory):
     expected = expected_record_counts(res["args"], res["nproc"])
     assert compared == expected["attn.context"] // tp
     sp = layout.has("--sequence-parallel")
-    assert compared_resid == {o: expected[o] // catalog.producers_per_replica(o, tp, sp)  # records per full tensor
-                              for o in RESID_MLP + LOGITS if o in expected}, compared_resid
+    assert compared_resid == {
+        o: expected[o] // catalog.producers_per_replica(o, tp, sp)  # records per full tensor
+        for o in RESID_MLP + LOGITS
+        if o in expected
+    }, compared_resid
 
     if name == "ep2_capacity":
         ids = torch.cat([v for k, v in dump["tensors"].items() if k[4] == "router.topk_ids"])
@@ -173,8 +192,10 @@ def test_layout(name, tmp_path_factory):
     if expect is None:
         return
     single = _run("single_rank", None, tmp_path_factory)["dump"]["tensors"]
-    dp_size = res["nproc"] // (int(layout.value("--tensor-model-parallel-size", "1"))
-                               * int(layout.value("--pipeline-model-parallel-size", "1")))
+    dp_size = res["nproc"] // (
+        int(layout.value("--tensor-model-parallel-size", "1"))
+        * int(layout.value("--pipeline-model-parallel-size", "1"))
+    )
     equal = set()
     for (phase, it, mb, layer, output, inv, dp), t in dump["tensors"].items():
         if it != 1:
@@ -182,13 +203,16 @@ def test_layout(name, tmp_path_factory):
         ref = single[(phase, 1, mb * dp_size + dp, layer, output, inv, 0)]
         if _bitwise(t, ref):
             equal.add((output, layer, mb, dp))
+
     def slots(output):  # the (microbatch, dp) records of one iteration (a weight: microbatch 0 of DP 0)
         if output == "router.weight":
             return [(0, 0)]
         return [(m, d) for m in range(2 // dp_size) for d in range(dp_size)]
 
     per_output = {(o, l) for (o, l, _, _) in equal if all((o, l, m, d) in equal for m, d in slots(o))}
-    assert expect <= per_output, f"{name}: expected bitwise equal to single-rank {sorted(expect - per_output)}; equal: {sorted(per_output)}"
+    assert expect <= per_output, (
+        f"{name}: expected bitwise equal to single-rank {sorted(expect - per_output)}; equal: {sorted(per_output)}"
+    )
 
 
 def test_missing_rank_is_refused_and_named(tmp_path_factory):

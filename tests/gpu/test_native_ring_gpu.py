@@ -43,8 +43,24 @@ def _save(name, data):
 
 def key_for(t, iteration=1, output="router.logits", layer=0):
     rows = t.shape[0] if t.dim() else 1
-    return RecordKey("run", "train", iteration, 0, 0, 0, layer, output, ParallelCoords(), 0, 1, 0, rows, rows,
-                     dtype_name(t.dtype), tuple(t.shape))
+    return RecordKey(
+        "run",
+        "train",
+        iteration,
+        0,
+        0,
+        0,
+        layer,
+        output,
+        ParallelCoords(),
+        0,
+        1,
+        0,
+        rows,
+        rows,
+        dtype_name(t.dtype),
+        tuple(t.shape),
+    )
 
 
 def random_bits(shape, dtype, seed):
@@ -60,9 +76,11 @@ def random_bits(shape, dtype, seed):
 
 
 def _load_in_subprocess(ext_dir):
-    code = ("import time,json; t=time.perf_counter(); from megatron.core.dmi.transport import jit; "
-            "jit.load_cuda(); jit.load_host(); print(json.dumps({'seconds': time.perf_counter()-t, "
-            "'timings': jit.build_timings()}))")
+    code = (
+        "import time,json; t=time.perf_counter(); from megatron.core.dmi.transport import jit; "
+        "jit.load_cuda(); jit.load_host(); print(json.dumps({'seconds': time.perf_counter()-t, "
+        "'timings': jit.build_timings()}))"
+    )
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=ext_dir)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -251,7 +269,7 @@ def test_cuda_graph_replays_with_gate_and_context():
     out = tr.drain_all(10)
     assert len(out) == 15
     for i, (it, xo, ho, io) in enumerate(expected):
-        a, b, c = out[3 * i: 3 * i + 3]
+        a, b, c = out[3 * i : 3 * i + 3]
         assert [r.key.output for r in (a, b, c)] == ["attn.context", "mlp", "router.topk_ids"]
         assert all(r.key.iteration == it and r.key.microbatch == (it - 1) % 2 for r in (a, b, c))
         assert torch.equal(a.tensor().view(torch.int16), xo.view(torch.int16))
@@ -297,9 +315,17 @@ def test_drain_throughput():
     dt = time.perf_counter() - t0
     gb = n * (rec_mb << 20) / 1e9
     st = tr.ring_state()
-    data = {"records": n, "record_mb": rec_mb, "ring_mb": ring_mb, "seconds": dt, "GBps_end_to_end": gb / dt,
-            "GBps_device_to_staging": drain_gbps,
-            "producer_seconds": t_pub, "drain_batches": st["drain_batches"], "drain_copies": st["drain_copies"]}
+    data = {
+        "records": n,
+        "record_mb": rec_mb,
+        "ring_mb": ring_mb,
+        "seconds": dt,
+        "GBps_end_to_end": gb / dt,
+        "GBps_device_to_staging": drain_gbps,
+        "producer_seconds": t_pub,
+        "drain_batches": st["drain_batches"],
+        "drain_copies": st["drain_copies"],
+    }
     _save("native_drain_throughput", data)
     assert got[0] == n and tr.stats.dropped == 0
     tr.close()

@@ -58,8 +58,10 @@ def assert_same_bits(got, want):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens,experts,k", [(0, 8, 2), (1, 4, 1), (1000, 16, 4), (8192, 16, 4), (4096, 64, 8),
-                                              (2048, 256, 8), (257, 128, 32)])
+@pytest.mark.parametrize(
+    "tokens,experts,k",
+    [(0, 8, 2), (1, 4, 1), (1000, 16, 4), (8192, 16, 4), (4096, 64, 8), (2048, 256, 8), (257, 128, 32)],
+)
 @pytest.mark.parametrize("drop_share,ties", [(0.0, False), (0.3, True)])
 def test_kernel_equals_reference_bitwise(kernels, dtype, tokens, experts, k, drop_share, ties):
     case = routing_case(tokens, experts, k, dtype, seed=tokens * 31 + experts, drop_share=drop_share, ties=ties)

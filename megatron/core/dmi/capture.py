@@ -102,7 +102,9 @@ class Capture:
     def publish(self, output: str, layer: int, coords: ParallelCoords, tensor: torch.Tensor, where: Placement) -> bool:
         return self.publish_all(layer, coords, where, {output: tensor}) == 1
 
-    def publish_all(self, layer: int, coords: ParallelCoords, where: Placement, tensors: dict[str, torch.Tensor]) -> int:
+    def publish_all(
+        self, layer: int, coords: ParallelCoords, where: Placement, tensors: dict[str, torch.Tensor]
+    ) -> int:
         """Publish the outputs of one hook firing (output -> tensor, all at one placement) in one
         transport call; returns how many were accepted."""
         if capturing_graph():

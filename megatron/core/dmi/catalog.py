@@ -84,78 +84,121 @@ def _hidden_per_token(m: ModelShape) -> tuple[tuple[int, ...], int]:
 
 OUTPUTS: tuple[HookOutput, ...] = (
     HookOutput(
-        "router.logits", "router", "[tokens, E]", "router dtype",
+        "router.logits",
+        "router",
+        "[tokens, E]",
+        "router dtype",
         "Raw gating logits of every token for every expert, before top-k and capacity dropping.",
         scope="moe_layer",
         local_shape=lambda m: ((m.router_tokens, m.num_experts), m.router_itemsize),
     ),
     HookOutput(
-        "router.topk_ids", "router", "[tokens, k]", "int32",
+        "router.topk_ids",
+        "router",
+        "[tokens, k]",
+        "int32",
         "Chosen experts per token, ordered by routing probability (ties: lower id first). A slot "
         "dropped by the capacity factor holds the sentinel E (the number of experts).",
         scope="moe_layer",
         local_shape=lambda m: ((m.router_tokens, m.topk), 4),
     ),
     HookOutput(
-        "router.topk_probs", "router", "[tokens, k]", "router dtype",
+        "router.topk_probs",
+        "router",
+        "[tokens, k]",
+        "router dtype",
         "Routing weight of each slot of router.topk_ids; 0 for a dropped slot.",
         scope="moe_layer",
         local_shape=lambda m: ((m.router_tokens, m.topk), m.router_itemsize),
     ),
     HookOutput(
-        "router.expert_counts", "router", "[2, E]", "int32",
+        "router.expert_counts",
+        "router",
+        "[2, E]",
+        "int32",
         "Tokens routed to each expert: row 0 before capacity dropping, row 1 after. Token shards sum.",
-        combine="sum", scope="moe_layer",
+        combine="sum",
+        scope="moe_layer",
         local_shape=lambda m: ((2, m.num_experts), 4),
     ),
     HookOutput(
-        "attn.context", "attn", "[s, b, heads_local * d]", "model dtype",
-        "Core-attention output before the output projection. Tensor parallelism shards the last dim "
-        "by heads.",
-        shard_dim=-1, producers="tensor",
+        "attn.context",
+        "attn",
+        "[s, b, heads_local * d]",
+        "model dtype",
+        "Core-attention output before the output projection. Tensor parallelism shards the last dim by heads.",
+        shard_dim=-1,
+        producers="tensor",
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.heads // m.tp * m.head_dim), m.model_itemsize),
     ),
     HookOutput(
-        "attn.q", "attn", "[s, b, heads_local, d]", "model dtype",
+        "attn.q",
+        "attn",
+        "[s, b, heads_local, d]",
+        "model dtype",
         "Query after rotary embedding (opt-in). With attn.k it rebuilds any head's attention pattern.",
-        shard_dim=2, opt_in=True, producers="tensor",
+        shard_dim=2,
+        opt_in=True,
+        producers="tensor",
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.heads // m.tp, m.head_dim), m.model_itemsize),
     ),
     HookOutput(
-        "attn.k", "attn", "[s, b, groups_local, d]", "model dtype",
+        "attn.k",
+        "attn",
+        "[s, b, groups_local, d]",
+        "model dtype",
         "Key after rotary embedding (opt-in); one head per query group under GQA.",
-        shard_dim=2, opt_in=True, producers="tensor",
+        shard_dim=2,
+        opt_in=True,
+        producers="tensor",
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.query_groups // m.tp, m.head_dim), m.model_itemsize),
     ),
     HookOutput(
-        "resid.in", "resid", "[s_local, b, h]", "model dtype",
+        "resid.in",
+        "resid",
+        "[s_local, b, h]",
+        "model dtype",
         "Hidden states entering the transformer layer (the residual stream before its input norm); "
         "layer 0's is the embedding output. Sequence parallelism shards dim 0 over TP ranks.",
         local_shape=_hidden_per_token,
     ),
     HookOutput(
-        "resid.out", "resid", "[s_local, b, h]", "model dtype",
+        "resid.out",
+        "resid",
+        "[s_local, b, h]",
+        "model dtype",
         "Output of the model's last transformer layer, before the final norm (recorded under that "
         "layer's number). Sequence parallelism shards dim 0 over TP ranks.",
         scope="last_layer",
         local_shape=_hidden_per_token,
     ),
     HookOutput(
-        "router.weight", "resid", "[E, h]", "model dtype",
+        "router.weight",
+        "resid",
+        "[E, h]",
+        "model dtype",
         "The router's weight matrix as used by the iteration's forward, once per captured iteration "
         "(microbatch 0, published by TP rank 0 of DP rank 0: every other rank holds the same "
         "values). With resid.in it lets routing be predicted from the store alone.",
-        scope="moe_layer", producers="one", per_microbatch=False,
+        scope="moe_layer",
+        producers="one",
+        per_microbatch=False,
         local_shape=lambda m: ((m.num_experts, m.hidden), m.model_itemsize),
     ),
     HookOutput(
-        "mlp.out", "mlp", "[s_local, b, h]", "model dtype",
+        "mlp.out",
+        "mlp",
+        "[s_local, b, h]",
+        "model dtype",
         "Output of the layer's MLP or MoE block (shared expert included) in token order, before its "
         "bias and the residual add. Sequence parallelism shards dim 0 over TP ranks.",
         local_shape=_hidden_per_token,
     ),
     HookOutput(
-        "mlp.shared", "mlp", "[s_local, b, h]", "model dtype",
+        "mlp.shared",
+        "mlp",
+        "[s_local, b, h]",
+        "model dtype",
         "Output of the MoE layer's shared expert (its gate applied, with --moe-shared-expert-gate), "
         "which mlp.out includes. Sequence parallelism shards dim 0 over TP ranks. Refused with "
         "--moe-shared-expert-overlap (the shared expert then runs inside the token dispatcher).",
@@ -163,36 +206,57 @@ OUTPUTS: tuple[HookOutput, ...] = (
         local_shape=_hidden_per_token,
     ),
     HookOutput(
-        "loss.token", "loss", "[s, b, 2]", "fp32",
+        "loss.token",
+        "loss",
+        "[s, b, 2]",
+        "fp32",
         "Per-token language-model loss before any reduction, as megatron-core's "
         "compute_language_model_loss returns it (column 0), and the loss mask the step weights it with "
         "(column 1; NaN when the forward step passes no loss_mask to the model). Recorded under the last "
         "layer's number, on the last pipeline stage.",
-        scope="last_layer", producers="replicated",
+        scope="last_layer",
+        producers="replicated",
         local_shape=lambda m: ((m.seq_length, m.micro_batch, 2), 4),
     ),
     HookOutput(
-        "logits.topk", "logits", "[s, b, k, 2]", "fp32",
+        "logits.topk",
+        "logits",
+        "[s, b, k, 2]",
+        "fp32",
         "The k largest output logits of each token (k = --dmi-logits-topk) as (value, vocabulary id) "
         "pairs, ids exact below 2^24. Each TP rank publishes the top-k of its vocabulary shard; the reader "
         "returns the top-k of their union, largest first (ties: lower id), values bitwise as computed.",
-        combine="topk", producers="tensor", scope="last_layer",
+        combine="topk",
+        producers="tensor",
+        scope="last_layer",
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.logits_topk, 2), 4),
     ),
     HookOutput(
-        "logits.target", "logits", "[s, b, 3]", "fp32",
+        "logits.target",
+        "logits",
+        "[s, b, 3]",
+        "fp32",
         "Log-probability of each token's label under the output logits (padded vocabulary included, as "
         "in the loss). Each TP rank publishes its vocabulary shard's (max logit, sum of exp(logit - max), "
         "label logit or -inf); the reader merges them into [s, b] fp64 log-probabilities.",
-        combine="log_softmax", producers="tensor", scope="last_layer",
+        combine="log_softmax",
+        producers="tensor",
+        scope="last_layer",
         local_shape=lambda m: ((m.seq_length, m.micro_batch, 3), 4),
     ),
     HookOutput(
-        "logits.full", "logits", "[s, b, vocab / TP]", "model dtype",
+        "logits.full",
+        "logits",
+        "[s, b, vocab / TP]",
+        "model dtype",
         "Every output logit (named explicitly only, not by all: s x b x vocab values per microbatch; "
         "start-up prints the size). "
         "Tensor parallelism shards the vocabulary (last dim).",
-        shard_dim=-1, producers="tensor", scope="last_layer", opt_in=True, in_all=False,
+        shard_dim=-1,
+        producers="tensor",
+        scope="last_layer",
+        opt_in=True,
+        in_all=False,
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.vocab // m.tp), m.model_itemsize),
     ),
 )
@@ -226,8 +290,9 @@ def producers_per_replica(output: str, tp: int, sequence_parallel: bool, dp_rank
     return 1
 
 
-def layers_in_scope(output: str, layers: list[int], num_layers: int, moe_layers: set[int],
-                    shared_expert_layers: set[int] = frozenset()) -> list[int]:
+def layers_in_scope(
+    output: str, layers: list[int], num_layers: int, moe_layers: set[int], shared_expert_layers: set[int] = frozenset()
+) -> list[int]:
     """The selected global layers that record ``output``."""
     scope = BY_NAME[output].scope
     if scope == "moe_layer":
@@ -268,21 +333,44 @@ def outputs_of_group(group: str, selected: frozenset[str]) -> list[str]:
     return [o.name for o in OUTPUTS if o.group == group and o.name in selected]
 
 
-_PUBLISHED_BY = {"sequence": "every TP rank with SP, else TP rank 0", "tensor": "every TP rank",
-                 "replicated": "TP rank 0", "one": "TP rank 0 of DP rank 0"}
-_SCOPE = {"layer": "every layer", "moe_layer": "MoE layers", "shared_expert_layer": "MoE layers with a shared expert",
-          "last_layer": "last layer"}
-_COMBINE_TEXT = {"sum": "sum over token shards", "topk": "top-k of the vocabulary shards' union",
-                 "log_softmax": "log-softmax merged from the vocabulary shards' partials"}
+_PUBLISHED_BY = {
+    "sequence": "every TP rank with SP, else TP rank 0",
+    "tensor": "every TP rank",
+    "replicated": "TP rank 0",
+    "one": "TP rank 0 of DP rank 0",
+}
+_SCOPE = {
+    "layer": "every layer",
+    "moe_layer": "MoE layers",
+    "shared_expert_layer": "MoE layers with a shared expert",
+    "last_layer": "last layer",
+}
+_COMBINE_TEXT = {
+    "sum": "sum over token shards",
+    "topk": "top-k of the vocabulary shards' union",
+    "log_softmax": "log-softmax merged from the vocabulary shards' partials",
+}
 
 # Reference models for the sizes table of docs/hooks.md: the functional tests' tiny MoE (fp32) and a
 # large bf16 MoE (hidden 4096, 64 experts, top-8, 32 heads of 128, vocabulary 131072, 4096 tokens per
 # microbatch); logits.topk at the default k = 8.
 SIZE_MODELS = {
-    "tiny (fp32)": ModelShape(seq_length=32, micro_batch=2, num_experts=4, topk=2, heads=4, query_groups=4,
-                              head_dim=16, hidden=64, vocab=128),
-    "large (bf16)": ModelShape(seq_length=4096, micro_batch=1, num_experts=64, topk=8, heads=32, query_groups=8,
-                               head_dim=128, hidden=4096, vocab=131072, router_itemsize=4, model_itemsize=2),
+    "tiny (fp32)": ModelShape(
+        seq_length=32, micro_batch=2, num_experts=4, topk=2, heads=4, query_groups=4, head_dim=16, hidden=64, vocab=128
+    ),
+    "large (bf16)": ModelShape(
+        seq_length=4096,
+        micro_batch=1,
+        num_experts=64,
+        topk=8,
+        heads=32,
+        query_groups=8,
+        head_dim=128,
+        hidden=4096,
+        vocab=131072,
+        router_itemsize=4,
+        model_itemsize=2,
+    ),
 }
 
 
@@ -310,8 +398,10 @@ def markdown_table() -> str:
         )
     lines += [
         "",
-        ("Bytes per token per layer of one TP rank (TP = 1 below); a once-per-iteration output gives "
-         "its whole record:"),
+        (
+            "Bytes per token per layer of one TP rank (TP = 1 below); a once-per-iteration output gives "
+            "its whole record:"
+        ),
         "",
         "| output | " + " | ".join(SIZE_MODELS) + " |",
         "|---|" + "---|" * len(SIZE_MODELS),

@@ -57,10 +57,12 @@ def open_for_reading(store: str, database: str, quiet: bool = False):
     opened = open_store(store, database=database, progress=sys.stderr.isatty() and not quiet)
     r = opened.ingest_result
     if (r.segments_loaded or r.segments_corrupt or r.errors) and not quiet:
-        print(f"(read {r.segments_loaded} spool segment(s) not in the store yet, {r.records} record(s)"
-              + (f"; {r.segments_corrupt} corrupt segment(s) skipped" if r.segments_corrupt else "")
-              + (f"; {r.records_quarantined} record(s) quarantined" if r.records_quarantined else "")
-              + "; the files are left as they are)")
+        print(
+            f"(read {r.segments_loaded} spool segment(s) not in the store yet, {r.records} record(s)"
+            + (f"; {r.segments_corrupt} corrupt segment(s) skipped" if r.segments_corrupt else "")
+            + (f"; {r.records_quarantined} record(s) quarantined" if r.records_quarantined else "")
+            + "; the files are left as they are)"
+        )
         for e in r.errors:
             print(f"  ! {e}")
     return opened
@@ -107,7 +109,9 @@ def _expert_load_table(store, run_id, iteration, layers=None):
     out = post.copy()
     out.columns = [f"e{c}" for c in out.columns]
     out["dropped"] = ((pre - tot) / pre.where(pre > 0)).fillna(0).map(lambda x: f"{x:.1%}")
-    out["max/mean"] = (post.max(axis=1) / post.mean(axis=1).where(post.mean(axis=1) > 0)).fillna(0).map(lambda x: f"{x:.2f}")
+    out["max/mean"] = (
+        (post.max(axis=1) / post.mean(axis=1).where(post.mean(axis=1) > 0)).fillna(0).map(lambda x: f"{x:.2f}")
+    )
     return out.reset_index()
 
 
@@ -124,8 +128,20 @@ def cmd_show(args) -> int:
             d = store.describe(run_id)
             print(d)
             print("records per output:")
-            _print_table(d.outputs.assign(size=[_fmt_bytes(int(b)) for b in d.outputs["bytes"]])[
-                ["phase", "output", "records", "size", "n_iterations", "first_iteration", "last_iteration", "layers"]])
+            _print_table(
+                d.outputs.assign(size=[_fmt_bytes(int(b)) for b in d.outputs["bytes"]])[
+                    [
+                        "phase",
+                        "output",
+                        "records",
+                        "size",
+                        "n_iterations",
+                        "first_iteration",
+                        "last_iteration",
+                        "layers",
+                    ]
+                ]
+            )
             its = d.iterations.get("train", [])
             load_its = sorted(store.expert_load(run_id)["iteration"].unique()) if its else []
             it = args.iteration if args.iteration is not None else (int(load_its[-1]) if load_its else None)
@@ -148,8 +164,19 @@ def cmd_describe(args) -> int:
         if args.config:
             import json
 
-            print(json.dumps({"dmi_config": d.config, "model": d.model, "layout": d.layout,
-                              "command_line": d.command_line, "versions": d.versions}, indent=2, sort_keys=True))
+            print(
+                json.dumps(
+                    {
+                        "dmi_config": d.config,
+                        "model": d.model,
+                        "layout": d.layout,
+                        "command_line": d.command_line,
+                        "versions": d.versions,
+                    },
+                    indent=2,
+                    sort_keys=True,
+                )
+            )
     return 0
 
 
@@ -161,17 +188,22 @@ def cmd_tensor(args) -> int:
     with _open(args) as store:
         run_id = store.resolve_run(args.run_id)
         try:
-            t = store.tensor(run_id, args.output, args.iteration, args.microbatch, args.layer, args.phase, args.dp,
-                             args.invocation)
+            t = store.tensor(
+                run_id, args.output, args.iteration, args.microbatch, args.layer, args.phase, args.dp, args.invocation
+            )
         except AmbiguousLayerError as e:
             print(f"error: {e.message('--layer')}", file=sys.stderr)
             return 2
-    print(f"{args.output} run {run_id} iteration {args.iteration} microbatch {args.microbatch} layer {args.layer}: "
-          f"shape {list(t.shape)} dtype {str(t.dtype).replace('torch.', '')}")
+    print(
+        f"{args.output} run {run_id} iteration {args.iteration} microbatch {args.microbatch} layer {args.layer}: "
+        f"shape {list(t.shape)} dtype {str(t.dtype).replace('torch.', '')}"
+    )
     if t.numel():
         f = t.double()
-        print(f"  min {f.min().item():.6g}  max {f.max().item():.6g}  mean {f.mean().item():.6g}  "
-              f"std {f.std().item() if t.numel() > 1 else 0.0:.6g}  nan {int(torch.isnan(f).sum())}  inf {int(torch.isinf(f).sum())}")
+        print(
+            f"  min {f.min().item():.6g}  max {f.max().item():.6g}  mean {f.mean().item():.6g}  "
+            f"std {f.std().item() if t.numel() > 1 else 0.0:.6g}  nan {int(torch.isnan(f).sum())}  inf {int(torch.isinf(f).sum())}"
+        )
     if args.save:
         torch.save(t, args.save)
         print(f"  saved to {args.save}")
@@ -211,11 +243,14 @@ def cmd_drops(args) -> int:
             print("tokens dropped by the capacity factor:")
             partial = ~rate["complete"]
             shown = rate.drop(columns=["complete"]).assign(
-                drop_rate=[f"{x:.1%}" if ok else f"{x:.1%} *" for x, ok in zip(rate["drop_rate"], rate["complete"])])
+                drop_rate=[f"{x:.1%}" if ok else f"{x:.1%} *" for x, ok in zip(rate["drop_rate"], rate["complete"])]
+            )
             _print_table(shown)
             if partial.any():
-                print(f"* partial: {int(partial.sum())} iteration(s) lost router.expert_counts records before "
-                      f"persistence (see above), so their rate covers only the tokens that arrived")
+                print(
+                    f"* partial: {int(partial.sum())} iteration(s) lost router.expert_counts records before "
+                    f"persistence (see above), so their rate covers only the tokens that arrived"
+                )
         reps = store.reports(run_id)
         if not reps.empty:
             print("sink reports:")
@@ -239,10 +274,12 @@ def cmd_load(args) -> int:
         os.makedirs(target, exist_ok=True)
     with open_store(target, database=args.database, writable=True) as store:
         r = store.load(src, delete=args.delete, progress=sys.stderr.isatty())
-    print(f"loaded {r.segments_loaded} segment(s): {r.records} record(s), {_fmt_bytes(r.payload_bytes)} of payload; "
-          f"{r.segments_skipped} already present, {r.segments_corrupt} corrupt, {r.segments_partial} partly "
-          f"quarantined ({r.records_quarantined} record(s) in dmi.quarantine), {r.segments_unverified} not verified, "
-          f"{len(r.missing_segments)} missing")
+    print(
+        f"loaded {r.segments_loaded} segment(s): {r.records} record(s), {_fmt_bytes(r.payload_bytes)} of payload; "
+        f"{r.segments_skipped} already present, {r.segments_corrupt} corrupt, {r.segments_partial} partly "
+        f"quarantined ({r.records_quarantined} record(s) in dmi.quarantine), {r.segments_unverified} not verified, "
+        f"{len(r.missing_segments)} missing"
+    )
     for e in r.errors:
         print(f"  ! {e}")
     return 1 if r.errors else 0
@@ -253,8 +290,10 @@ def cmd_export(args) -> int:
         from megatron.core.dmi.sinks.export import export_spool
 
         n = export_spool(store, args.to, args.run_id, progress=sys.stderr.isatty())
-    print(f"exported {n} record(s) as spool segments under {args.to}; load them with "
-          f"`python -m megatron.core.dmi load {args.to} --store <dir-or-url>`")
+    print(
+        f"exported {n} record(s) as spool segments under {args.to}; load them with "
+        f"`python -m megatron.core.dmi load {args.to} --store <dir-or-url>`"
+    )
     return 0
 
 
@@ -281,8 +320,11 @@ def _setup_show(p):
 def _setup_describe(p):
     _store_arg(p)
     _run_arg(p)
-    p.add_argument("--config", action="store_true", help="also print the run's DMI config, model configuration, parallel layout, command line and versions "
-                   "as JSON")
+    p.add_argument(
+        "--config",
+        action="store_true",
+        help="also print the run's DMI config, model configuration, parallel layout, command line and versions as JSON",
+    )
     p.set_defaults(func=cmd_describe)
 
 
@@ -396,12 +438,21 @@ def _setup_loss_vs_routing(p):
     p.set_defaults(func=cmd_loss_vs_routing)
 
 
-add_subcommand("routing-concentration", _setup_routing_concentration,
-               "expert frequency, hot experts per iteration window and top-N coverage, per layer")
-add_subcommand("routing-predictability", _setup_routing_predictability,
-               "layer L's router applied to layer L-1's resid.in: cosine and Spearman vs the actual routing")
-add_subcommand("loss-vs-routing", _setup_loss_vs_routing,
-               "per-token loss of tokens whose routes were dropped vs kept, per layer and iteration")
+add_subcommand(
+    "routing-concentration",
+    _setup_routing_concentration,
+    "expert frequency, hot experts per iteration window and top-N coverage, per layer",
+)
+add_subcommand(
+    "routing-predictability",
+    _setup_routing_predictability,
+    "layer L's router applied to layer L-1's resid.in: cosine and Spearman vs the actual routing",
+)
+add_subcommand(
+    "loss-vs-routing",
+    _setup_loss_vs_routing,
+    "per-token loss of tokens whose routes were dropped vs kept, per layer and iteration",
+)
 
 
 def build_parser(prog: str = "python -m megatron.core.dmi") -> argparse.ArgumentParser:
@@ -411,8 +462,9 @@ def build_parser(prog: str = "python -m megatron.core.dmi") -> argparse.Argument
         except ImportError as e:
             if getattr(e, "name", None) != mod:
                 raise
-    parser = argparse.ArgumentParser(prog=prog,
-                                     description="Inspect Megatron-DMI captures (runs, tensors, expert load).")
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Inspect Megatron-DMI captures (runs, tensors, expert load)."
+    )
     sub = parser.add_subparsers(dest="command", metavar="command")
     sub.required = True
     for name, (setup, help_) in _COMMANDS.items():
@@ -430,8 +482,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m megatron.core.dmi
 
     try:
         return int(args.func(args) or 0)
-    except (StoreError, StoreBusyError, SchemaVersionError, ReconstructionError, BackendError, IdentifierError,
-            ServerURLError) as e:
+    except (
+        StoreError,
+        StoreBusyError,
+        SchemaVersionError,
+        ReconstructionError,
+        BackendError,
+        IdentifierError,
+        ServerURLError,
+    ) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:

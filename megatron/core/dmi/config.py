@@ -40,8 +40,10 @@ _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 def check_run_id(run_id: str) -> str:
     if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
-        raise RunIdError(f"run id must be 1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter "
-                         f"or digit, got {str(run_id)[:140]!r}")
+        raise RunIdError(
+            f"run id must be 1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter "
+            f"or digit, got {str(run_id)[:140]!r}"
+        )
     return run_id
 
 

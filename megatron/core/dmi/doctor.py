@@ -68,8 +68,12 @@ def check_python() -> Check:
     v = sys.version.split()[0]
     if sys.version_info[:2] >= MIN_PYTHON:
         return Check("python", "ok", f"{v} ({sys.executable})")
-    return Check("python", "fail", f"{v}: megatron-dmi needs Python >= {'.'.join(map(str, MIN_PYTHON))}",
-                 "create the venv with python3.12 or newer (see docs/install.md)")
+    return Check(
+        "python",
+        "fail",
+        f"{v}: megatron-dmi needs Python >= {'.'.join(map(str, MIN_PYTHON))}",
+        "create the venv with python3.12 or newer (see docs/install.md)",
+    )
 
 
 def check_torch() -> Check:
@@ -80,8 +84,12 @@ def check_torch() -> Check:
     v = torch.__version__
     cuda = torch.version.cuda or "cpu-only build"
     if _version_tuple(v)[:2] < MIN_TORCH:
-        return Check("torch", "fail", f"{v} (CUDA {cuda}): megatron-dmi needs torch >= {'.'.join(map(str, MIN_TORCH))}",
-                     "pip install -U torch")
+        return Check(
+            "torch",
+            "fail",
+            f"{v} (CUDA {cuda}): megatron-dmi needs torch >= {'.'.join(map(str, MIN_TORCH))}",
+            "pip install -U torch",
+        )
     return Check("torch", "ok", f"{v} (CUDA {cuda})")
 
 
@@ -92,8 +100,14 @@ def check_megatron_core() -> list[Check]:
         return [Check("megatron-core", "fail", "not installed", f"pip install megatron-core=={PINNED_MEGATRON_CORE}")]
     out = []
     if v != PINNED_MEGATRON_CORE:
-        out.append(Check("megatron-core", "fail", f"{v}; DMI's hooks and entry script are written for "
-                         f"{PINNED_MEGATRON_CORE} exactly", f"pip install megatron-core=={PINNED_MEGATRON_CORE}"))
+        out.append(
+            Check(
+                "megatron-core",
+                "fail",
+                f"{v}; DMI's hooks and entry script are written for {PINNED_MEGATRON_CORE} exactly",
+                f"pip install megatron-core=={PINNED_MEGATRON_CORE}",
+            )
+        )
     else:
         out.append(Check("megatron-core", "ok", v))
     try:
@@ -101,17 +115,31 @@ def check_megatron_core() -> list[Check]:
             warnings.simplefilter("ignore")
             from megatron.core.datasets import helpers_cpp  # noqa: F401
 
-        out.append(Check("dataset helpers", "ok", f"megatron.core.datasets.helpers_cpp ({os.path.basename(helpers_cpp.__file__)})"))
+        out.append(
+            Check(
+                "dataset helpers",
+                "ok",
+                f"megatron.core.datasets.helpers_cpp ({os.path.basename(helpers_cpp.__file__)})",
+            )
+        )
     except ImportError as e:
-        out.append(Check("dataset helpers", "fail", f"megatron.core.datasets.helpers_cpp does not import ({e})",
-                         f"reinstall the wheel: pip install --force-reinstall megatron-core=={PINNED_MEGATRON_CORE} "
-                         "(it ships the prebuilt module; the wheel has no Makefile to build it)"))
+        out.append(
+            Check(
+                "dataset helpers",
+                "fail",
+                f"megatron.core.datasets.helpers_cpp does not import ({e})",
+                f"reinstall the wheel: pip install --force-reinstall megatron-core=={PINNED_MEGATRON_CORE} "
+                "(it ships the prebuilt module; the wheel has no Makefile to build it)",
+            )
+        )
     try:
         import yaml  # noqa: F401
 
         out.append(Check("pyyaml", "ok", metadata.version("PyYAML")))
     except ImportError:
-        out.append(Check("pyyaml", "fail", "megatron.training imports yaml but it is not installed", "pip install PyYAML"))
+        out.append(
+            Check("pyyaml", "fail", "megatron.training imports yaml but it is not installed", "pip install PyYAML")
+        )
     return out
 
 
@@ -121,9 +149,17 @@ def check_cuda(require: bool) -> list[Check]:
     if not torch.cuda.is_available():
         why = "torch is a CPU-only build" if torch.version.cuda is None else "no CUDA device visible"
         if require:
-            return [Check("cuda", "fail", why, "install a CUDA build of torch and check nvidia-smi / CUDA_VISIBLE_DEVICES")]
-        return [Check("cuda", "warn", f"{why}: only --cpu-dev-mode training works here",
-                      "run on a GPU machine (add --check-cuda there to make this a failure)")]
+            return [
+                Check("cuda", "fail", why, "install a CUDA build of torch and check nvidia-smi / CUDA_VISIBLE_DEVICES")
+            ]
+        return [
+            Check(
+                "cuda",
+                "warn",
+                f"{why}: only --cpu-dev-mode training works here",
+                "run on a GPU machine (add --check-cuda there to make this a failure)",
+            )
+        ]
     n = torch.cuda.device_count()
     caps = sorted({torch.cuda.get_device_capability(i) for i in range(n)})
     names = sorted({torch.cuda.get_device_name(i) for i in range(n)})
@@ -135,9 +171,14 @@ def check_cuda(require: bool) -> list[Check]:
     missing = sorted(have - archs)
     cap_text = ", ".join(f"sm_{c.replace('.', '')}" for c in sorted(have))
     if missing:
-        out.append(Check("compute capability", "fail" if require else "warn",
-                         f"{cap_text}, but the native ring builds for {', '.join(sorted(archs))}",
-                         f"export TORCH_CUDA_ARCH_LIST=\"{';'.join(sorted(have))}\" before the first run"))
+        out.append(
+            Check(
+                "compute capability",
+                "fail" if require else "warn",
+                f"{cap_text}, but the native ring builds for {', '.join(sorted(archs))}",
+                f'export TORCH_CUDA_ARCH_LIST="{";".join(sorted(have))}" before the first run',
+            )
+        )
     else:
         out.append(Check("compute capability", "ok", f"{cap_text} (ring built for {', '.join(sorted(archs))})"))
     return out
@@ -152,20 +193,38 @@ def check_build_tools(require_cuda: bool) -> list[Check]:
     if r["cxx"]:
         out.append(Check("c++ compiler", "ok", r["cxx"]))
     else:
-        out.append(Check("c++ compiler", "fail", f"no {os.environ.get('CXX', 'c++')}/g++/clang++ on PATH: the native ring cannot build or load",
-                         f"install g++ (apt-get install g++) or set CXX, {fallback}"))
+        out.append(
+            Check(
+                "c++ compiler",
+                "fail",
+                f"no {os.environ.get('CXX', 'c++')}/g++/clang++ on PATH: the native ring cannot build or load",
+                f"install g++ (apt-get install g++) or set CXX, {fallback}",
+            )
+        )
     if r["ninja"]:
         out.append(Check("ninja", "ok", "available"))
     else:
-        out.append(Check("ninja", "fail", "not found: torch.utils.cpp_extension needs it for the JIT build",
-                         f"pip install ninja, {fallback}"))
+        out.append(
+            Check(
+                "ninja",
+                "fail",
+                "not found: torch.utils.cpp_extension needs it for the JIT build",
+                f"pip install ninja, {fallback}",
+            )
+        )
     gpu = r["cuda_available"]
     if r["nvcc"]:
         out.append(Check("nvcc", "ok", f"{r['nvcc']} (release {r['nvcc_version'] or '?'})"))
     else:
         status = "fail" if (gpu or require_cuda) else "warn"
-        out.append(Check("nvcc", status, "not found (CUDA_HOME unset, no nvcc on PATH): the CUDA ring cannot build",
-                         f"install the CUDA toolkit and set CUDA_HOME, {fallback}"))
+        out.append(
+            Check(
+                "nvcc",
+                status,
+                "not found (CUDA_HOME unset, no nvcc on PATH): the CUDA ring cannot build",
+                f"install the CUDA toolkit and set CUDA_HOME, {fallback}",
+            )
+        )
     if r.get("error"):
         out.append(Check("native sources", "fail", r["error"], "reinstall megatron-dmi (pip install -e .)"))
         return out
@@ -177,13 +236,24 @@ def check_build_tools(require_cuda: bool) -> list[Check]:
         if e["cached"]:
             out.append(Check(f"jit cache ({kind})", "ok", f"current build cached at {where}"))
         elif e["can_build"]:
-            out.append(Check(f"jit cache ({kind})", "warn",
-                             f"no build for the current sources/torch in {r['extensions_dir']}: the first run builds it "
-                             f"({'seconds' if kind == 'host' else 'about a minute'})",
-                             "python -m megatron.core.dmi doctor --build" + (" cuda" if kind == "cuda" and not gpu else "")))
+            out.append(
+                Check(
+                    f"jit cache ({kind})",
+                    "warn",
+                    f"no build for the current sources/torch in {r['extensions_dir']}: the first run builds it "
+                    f"({'seconds' if kind == 'host' else 'about a minute'})",
+                    "python -m megatron.core.dmi doctor --build" + (" cuda" if kind == "cuda" and not gpu else ""),
+                )
+            )
         else:
-            out.append(Check(f"jit cache ({kind})", "warn", "not built and cannot be built here (see above)",
-                             "fix the compiler checks above"))
+            out.append(
+                Check(
+                    f"jit cache ({kind})",
+                    "warn",
+                    "not built and cannot be built here (see above)",
+                    "fix the compiler checks above",
+                )
+            )
     return out
 
 
@@ -212,18 +282,28 @@ def check_jit_build(which: str) -> list[Check]:
             out.append(Check(f"jit build ({kind})", "ok", f"{how} in {t['seconds']:.1f} s{extra}"))
         except jit.NativeBuildError as e:
             msg = str(e).strip().splitlines()
-            out.append(Check(f"jit build ({kind})", "fail", msg[0][:300] + (" ..." if len(msg) > 1 else ""),
-                             "see the compiler output with `python -c \"from megatron.core.dmi.transport import jit; "
-                             f"jit.load_{kind if torch.cuda.is_available() or kind == 'host' else 'cuda'}(verbose=True)\"`; "
-                             "or train with --dmi-transport torch"))
+            out.append(
+                Check(
+                    f"jit build ({kind})",
+                    "fail",
+                    msg[0][:300] + (" ..." if len(msg) > 1 else ""),
+                    'see the compiler output with `python -c "from megatron.core.dmi.transport import jit; '
+                    f'jit.load_{kind if torch.cuda.is_available() or kind == "host" else "cuda"}(verbose=True)"`; '
+                    "or train with --dmi-transport torch",
+                )
+            )
     return out
 
 
 def check_optional() -> list[Check]:
     out = []
     for mod, label, why in (
-        ("transformer_engine", "transformer engine", "optional: without it train with --transformer-impl local "
-                                                     "--no-rope-fusion --no-masked-softmax-fusion --no-persist-layer-norm"),
+        (
+            "transformer_engine",
+            "transformer engine",
+            "optional: without it train with --transformer-impl local "
+            "--no-rope-fusion --no-masked-softmax-fusion --no-persist-layer-norm",
+        ),
         ("apex", "apex", "optional: megatron-core falls back to its local fused kernels"),
     ):
         if importlib.util.find_spec(mod) is None:
@@ -239,12 +319,17 @@ def check_optional() -> list[Check]:
 
 # -- store checks (in subprocesses: chDB holds one store per process) -------------------------
 def _subprocess(code: str, *args: str, timeout: float = 180) -> tuple[int, dict | None, str]:
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
     result = None
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("DOCTOR_RESULT "):
-            result = json.loads(line[len("DOCTOR_RESULT "):])
+            result = json.loads(line[len("DOCTOR_RESULT ") :])
             break
     return proc.returncode, result, (proc.stderr or proc.stdout).strip()
 
@@ -287,12 +372,22 @@ def check_chdb() -> list[Check]:
         except subprocess.TimeoutExpired:
             rc, res, err = -1, None, "timed out after 180 s"
         if rc == 0 and res and res["equal"] and res["records"] == 1:
-            out.append(Check("chdb round trip", "ok", "spool -> ingest -> embedded store -> reader: 1 record, bitwise equal"))
+            out.append(
+                Check("chdb round trip", "ok", "spool -> ingest -> embedded store -> reader: 1 record, bitwise equal")
+            )
         else:
-            detail = (f"record read back differs ({res})" if res else (err.splitlines()[-1] if err else f"exit code {rc}"))
-            out.append(Check("chdb round trip", "fail", f"write/read in a temporary store failed: {detail[:400]}",
-                             "pip install --force-reinstall 'chdb>=4.4'; check that the temp directory is writable "
-                             "(TMPDIR) and not full"))
+            detail = (
+                f"record read back differs ({res})" if res else (err.splitlines()[-1] if err else f"exit code {rc}")
+            )
+            out.append(
+                Check(
+                    "chdb round trip",
+                    "fail",
+                    f"write/read in a temporary store failed: {detail[:400]}",
+                    "pip install --force-reinstall 'chdb>=4.4'; check that the temp directory is writable "
+                    "(TMPDIR) and not full",
+                )
+            )
     return out
 
 
@@ -312,16 +407,28 @@ def check_store(path: str, database: str) -> list[Check]:
         parent = os.path.dirname(path)
         if os.access(parent, os.W_OK):
             return [Check("store dir", "ok", f"{path} does not exist yet; a run creates it (mode 0700)")]
-        return [Check("store dir", "fail", f"{path} does not exist and {parent} is not writable",
-                      "choose a writable --dmi-store-dir")]
+        return [
+            Check(
+                "store dir",
+                "fail",
+                f"{path} does not exist and {parent} is not writable",
+                "choose a writable --dmi-store-dir",
+            )
+        ]
     if not os.path.isdir(path):
         return [Check("store dir", "fail", f"{path} is not a directory", "point --dmi-store-dir at a directory")]
     mode = stat.S_IMODE(os.stat(path).st_mode)
     if not os.access(path, os.W_OK | os.X_OK):
         out.append(Check("store dir", "fail", f"{path} is not writable by this user", f"chown/chmod {path}"))
     elif mode & 0o077:
-        out.append(Check("store dir", "warn", f"{path} has mode {mode:04o}: other users can read captured tensors",
-                         f"chmod 700 {path}"))
+        out.append(
+            Check(
+                "store dir",
+                "warn",
+                f"{path} has mode {mode:04o}: other users can read captured tensors",
+                f"chmod 700 {path}",
+            )
+        )
     else:
         out.append(Check("store dir", "ok", f"{path} (mode {mode:04o})"))
     spool = os.path.join(path, "spool")
@@ -331,8 +438,14 @@ def check_store(path: str, database: str) -> list[Check]:
         segs = list_segments(spool)
         corrupt = [f for _, _, fs in os.walk(spool) for f in fs if f.endswith(".corrupt")]
         if corrupt:
-            out.append(Check("spool", "warn", f"{len(segs)} segment(s) waiting, {len(corrupt)} quarantined as *.corrupt",
-                             f"inspect or delete {spool}/rank-*/*.corrupt (their records could not be read)"))
+            out.append(
+                Check(
+                    "spool",
+                    "warn",
+                    f"{len(segs)} segment(s) waiting, {len(corrupt)} quarantined as *.corrupt",
+                    f"inspect or delete {spool}/rank-*/*.corrupt (their records could not be read)",
+                )
+            )
         else:
             out.append(Check("spool", "ok", f"{len(segs)} segment(s) waiting to be ingested"))
     lock = os.path.join(path, "chdb.lock")
@@ -349,8 +462,14 @@ def check_store(path: str, database: str) -> list[Check]:
         finally:
             os.close(fd)
         if busy is not None:
-            out.append(Check("store lock", "warn", f"held by pid {busy} (a running training's ingester or a `load`)",
-                             "readers work beside it (they read a snapshot); a `load` into it waits for it to finish"))
+            out.append(
+                Check(
+                    "store lock",
+                    "warn",
+                    f"held by pid {busy} (a running training's ingester or a `load`)",
+                    "readers work beside it (they read a snapshot); a `load` into it waits for it to finish",
+                )
+            )
     if os.path.isdir(os.path.join(path, "chdb")):
         try:
             rc, res, err = _subprocess(_STORE_PROBE, path, database)
@@ -360,12 +479,23 @@ def check_store(path: str, database: str) -> list[Check]:
             out.append(Check("store open", "ok", f"schema current, {res['runs']} run(s)"))
         else:
             last = err.splitlines()[-1] if err else f"exit code {rc}"
-            out.append(Check("store open", "fail", last[:400],
-                             "see docs/troubleshooting.md (schema version, busy store, permissions)"))
+            out.append(
+                Check(
+                    "store open",
+                    "fail",
+                    last[:400],
+                    "see docs/troubleshooting.md (schema version, busy store, permissions)",
+                )
+            )
     else:
-        out.append(Check("store open", "ok" if not os.listdir(path) or os.path.isdir(spool) else "warn",
-                         "no embedded store (chdb/) yet",
-                         "is this a --dmi-store-dir? it holds chdb/ and spool/"))
+        out.append(
+            Check(
+                "store open",
+                "ok" if not os.listdir(path) or os.path.isdir(spool) else "warn",
+                "no embedded store (chdb/) yet",
+                "is this a --dmi-store-dir? it holds chdb/ and spool/",
+            )
+        )
     return out
 
 
@@ -381,27 +511,50 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
     try:
         password = resolve_password(None, password_file)
     except OSError as e:
-        return [Check("clickhouse password", "fail", f"cannot read the password file ({e.strerror})",
-                      "check --password-file / DMI_CLICKHOUSE_PASSWORD_FILE")]
+        return [
+            Check(
+                "clickhouse password",
+                "fail",
+                f"cannot read the password file ({e.strerror})",
+                "check --password-file / DMI_CLICKHOUSE_PASSWORD_FILE",
+            )
+        ]
     backend = ServerBackend(url, database, password, connect_timeout=3.0, send_receive_timeout=20.0)
     out = []
     try:
         try:
             version = backend.query_arrow("SELECT version() AS v").column("v")[0].as_py()
         except Exception as e:
-            return [Check("clickhouse server", "fail", f"{backend.description} unreachable: {backend.redact(str(e))[:300]}",
-                          "start the server or fix the URL/firewall; meanwhile train with --dmi-persist spool and "
-                          "load the spool later (python -m megatron.core.dmi load)")]
+            return [
+                Check(
+                    "clickhouse server",
+                    "fail",
+                    f"{backend.description} unreachable: {backend.redact(str(e))[:300]}",
+                    "start the server or fix the URL/firewall; meanwhile train with --dmi-persist spool and "
+                    "load the spool later (python -m megatron.core.dmi load)",
+                )
+            ]
         out.append(Check("clickhouse server", "ok", f"{backend.description}, version {version}"))
         try:
             backend.ensure_schema()
-            out.append(Check("clickhouse schema", "ok", f"database {database}: DMI tables present (schema version "
-                                                         f"{S.SCHEMA_VERSION})"))
+            out.append(
+                Check(
+                    "clickhouse schema",
+                    "ok",
+                    f"database {database}: DMI tables present (schema version {S.SCHEMA_VERSION})",
+                )
+            )
         except S.SchemaVersionError as e:
             return out + [Check("clickhouse schema", "fail", str(e), "use another --dmi-clickhouse-database")]
         except Exception as e:
-            return out + [Check("clickhouse schema", "fail", f"cannot create the DMI tables: {backend.redact(str(e))[:300]}",
-                                f"GRANT CREATE DATABASE, CREATE TABLE, INSERT, SELECT ON {database}.* to this user")]
+            return out + [
+                Check(
+                    "clickhouse schema",
+                    "fail",
+                    f"cannot create the DMI tables: {backend.redact(str(e))[:300]}",
+                    f"GRANT CREATE DATABASE, CREATE TABLE, INSERT, SELECT ON {database}.* to this user",
+                )
+            ]
         probe = S.qualified(database, "dmi_doctor_probe")
         try:
             backend.command(f"CREATE TABLE IF NOT EXISTS {probe} (x UInt8) ENGINE = Memory")
@@ -412,9 +565,14 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
             backend.command(f"DROP TABLE IF EXISTS {probe}")
             out.append(Check("clickhouse permissions", "ok", f"create/insert/select/drop in {database} work ({n} row)"))
         except Exception as e:
-            out.append(Check("clickhouse permissions", "fail", f"insert/select in {database} failed: "
-                             f"{backend.redact(str(e))[:300]}",
-                             f"GRANT INSERT, SELECT, CREATE TABLE, DROP TABLE ON {database}.* to this user"))
+            out.append(
+                Check(
+                    "clickhouse permissions",
+                    "fail",
+                    f"insert/select in {database} failed: {backend.redact(str(e))[:300]}",
+                    f"GRANT INSERT, SELECT, CREATE TABLE, DROP TABLE ON {database}.* to this user",
+                )
+            )
     finally:
         backend.close()
     return out
@@ -428,8 +586,12 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         try:
             r = fn(*a)
         except Exception as e:  # a probe itself broke: report it as a failure, never a traceback
-            r = Check(fn.__name__.replace("check_", ""), "fail", f"check crashed: {type(e).__name__}: {e}",
-                      "report this with the output of `python -m megatron.core.dmi doctor`")
+            r = Check(
+                fn.__name__.replace("check_", ""),
+                "fail",
+                f"check crashed: {type(e).__name__}: {e}",
+                "report this with the output of `python -m megatron.core.dmi doctor`",
+            )
         checks.extend(r if isinstance(r, list) else [r])
 
     add(check_python)
@@ -460,15 +622,22 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def _setup_doctor(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-cuda", action="store_true", help="require a usable GPU and CUDA toolkit (fail without)")
-    p.add_argument("--build", nargs="?", const="auto", default=None, choices=("auto", "host", "cuda"),
-                   help="JIT-build the native ring now: host; cuda too when a GPU is visible (auto), or compile the "
-                        "CUDA ring without a GPU (cuda)")
+    p.add_argument(
+        "--build",
+        nargs="?",
+        const="auto",
+        default=None,
+        choices=("auto", "host", "cuda"),
+        help="JIT-build the native ring now: host; cuda too when a GPU is visible (auto), or compile the "
+        "CUDA ring without a GPU (cuda)",
+    )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--store", default=None, help="an embedded store directory (--dmi-store-dir) to check")
     where.add_argument("--clickhouse-url", default=None, help="a ClickHouse server http(s)://[user@]host:port to check")
     p.add_argument("--database", default="dmi", help="database name (default: dmi)")
-    p.add_argument("--password-file", default=None,
-                   help="file holding the ClickHouse password (default: $DMI_CLICKHOUSE_PASSWORD)")
+    p.add_argument(
+        "--password-file", default=None, help="file holding the ClickHouse password (default: $DMI_CLICKHOUSE_PASSWORD)"
+    )
     p.set_defaults(func=cmd_doctor)
 
 

@@ -34,8 +34,15 @@ class Drain:
     PROGRESS_SECONDS = 0.5  # how often the native writer's progress is relayed to the sink
     FLUSH_TIMEOUT = 600.0
 
-    def __init__(self, transport: Transport, sink: Sink, batch_records: int = 1024, poll_seconds: float = 0.05,
-                 linger_bytes: int | None = None, native_spool: bool = True):
+    def __init__(
+        self,
+        transport: Transport,
+        sink: Sink,
+        batch_records: int = 1024,
+        poll_seconds: float = 0.05,
+        linger_bytes: int | None = None,
+        native_spool: bool = True,
+    ):
         self.transport = transport
         self.sink = sink
         self.batch_records = batch_records
@@ -126,7 +133,7 @@ class Drain:
         """Counters and closed segments to the sink (every PROGRESS_SECONDS), which reports the
         writer's errors at close."""
         self._records = stats["records"]
-        for msg in stats["errors"][self._native_errors_seen:]:  # say it when it happens, loudly
+        for msg in stats["errors"][self._native_errors_seen :]:  # say it when it happens, loudly
             warnings.warn(f"DMI: {msg}", RuntimeWarning, stacklevel=2)
             log.error("DMI: %s", msg)
         self._native_errors_seen = len(stats["errors"])

@@ -15,16 +15,50 @@ from typing import Any
 # layers and which are MoE, the router's selection (top-k, score function, capacity and how it
 # drops), attention geometry (heads, groups, head dims, MLA), precision and recomputation.
 MODEL_FIELDS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-    "num_moe_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-    "moe_router_topk", "moe_router_score_function", "moe_router_pre_softmax", "moe_router_topk_scaling_factor",
-    "moe_router_num_groups", "moe_router_group_topk", "moe_router_load_balancing_type", "moe_router_dtype",
-    "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_pad_expert_input_to_capacity",
-    "moe_token_dispatcher_type", "moe_grouped_gemm",
-    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
-    "params_dtype", "bf16", "fp16", "fp8", "fp8_recipe", "apply_rope_fusion", "normalization",
-    "recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers",
-    "cuda_graph_impl", "cuda_graph_scope", "sequence_parallel", "transformer_impl",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "num_moe_experts",
+    "moe_layer_freq",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_topk",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_load_balancing_type",
+    "moe_router_dtype",
+    "moe_expert_capacity_factor",
+    "moe_token_drop_policy",
+    "moe_pad_expert_input_to_capacity",
+    "moe_token_dispatcher_type",
+    "moe_grouped_gemm",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "params_dtype",
+    "bf16",
+    "fp16",
+    "fp8",
+    "fp8_recipe",
+    "apply_rope_fusion",
+    "normalization",
+    "recompute_granularity",
+    "recompute_modules",
+    "recompute_method",
+    "recompute_num_layers",
+    "cuda_graph_impl",
+    "cuda_graph_scope",
+    "sequence_parallel",
+    "transformer_impl",
 )
 
 _SECRET_FLAG = re.compile(r"(password|passwd|secret|token|api[-_]?key|credential)", re.IGNORECASE)
@@ -44,8 +78,9 @@ def _plain(value: Any) -> Any:
 def model_summary(transformer_config: Any, **extra: Any) -> dict[str, Any]:
     """The fields of ``transformer_config`` listed in ``MODEL_FIELDS`` that it has, plus ``extra``
     (values only the training loop knows, such as the sequence length or the vocabulary size)."""
-    out = {name: _plain(getattr(transformer_config, name)) for name in MODEL_FIELDS
-           if hasattr(transformer_config, name)}
+    out = {
+        name: _plain(getattr(transformer_config, name)) for name in MODEL_FIELDS if hasattr(transformer_config, name)
+    }
     out.update({k: _plain(v) for k, v in extra.items() if v is not None})
     return out
 
@@ -103,8 +138,18 @@ def package_versions() -> dict[str, str]:
     from importlib import metadata
 
     out = {}
-    for dist in ("torch", "megatron-core", "megatron-dmi", "chdb", "chdb-core-lite", "clickhouse-connect", "pyarrow",
-                 "numpy", "transformer-engine", "transformer-engine-torch"):
+    for dist in (
+        "torch",
+        "megatron-core",
+        "megatron-dmi",
+        "chdb",
+        "chdb-core-lite",
+        "clickhouse-connect",
+        "pyarrow",
+        "numpy",
+        "transformer-engine",
+        "transformer-engine-torch",
+    ):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -214,7 +214,9 @@ KEY_COLUMNS: list[tuple[str, pa.DataType]] = [
     ("dtype", pa.string()),
     ("shape", pa.list_(pa.int64())),
 ]
-TENSOR_SCHEMA = pa.schema(KEY_COLUMNS + [("nbytes", pa.int64()), ("checksum", pa.uint32()), ("payload", pa.large_binary())])
+TENSOR_SCHEMA = pa.schema(
+    KEY_COLUMNS + [("nbytes", pa.int64()), ("checksum", pa.uint32()), ("payload", pa.large_binary())]
+)
 
 
 def key_columns(keys: Sequence[RecordKey]) -> dict[str, pa.Array]:
@@ -254,14 +256,17 @@ def records_to_table(records: Sequence[Record]) -> pa.Table:
     """Columnar batch of records, the unit every sink and spool file deals in."""
     columns = key_columns([r.key for r in records])
     columns = [columns[name] for name, _ in KEY_COLUMNS]
-    columns += [pa.array([len(r.payload) for r in records], type=pa.int64()),
-                pa.array([r.checksum for r in records], type=pa.uint32()),
-                pa.array([r.payload for r in records], type=pa.large_binary())]
+    columns += [
+        pa.array([len(r.payload) for r in records], type=pa.int64()),
+        pa.array([r.checksum for r in records], type=pa.uint32()),
+        pa.array([r.payload for r in records], type=pa.large_binary()),
+    ]
     return pa.Table.from_arrays(columns, schema=TENSOR_SCHEMA)
 
 
-def batch_table(key_columns: dict[str, pa.Array], offsets: np.ndarray, data: pa.Buffer,
-                checksums: np.ndarray) -> pa.Table:
+def batch_table(
+    key_columns: dict[str, pa.Array], offsets: np.ndarray, data: pa.Buffer, checksums: np.ndarray
+) -> pa.Table:
     """The table of a batch whose payloads lie back to back in ``data`` (record i is
     ``data[offsets[i]:offsets[i + 1]]``, its zlib CRC-32 ``checksums[i]``). The payload column
     views ``data`` without copying it."""

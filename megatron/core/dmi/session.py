@@ -151,14 +151,18 @@ class DMISession:
         # carry the step, set on the stream before every forward.
         self._device_context = cuda_graphs
         if cuda_graphs and not hasattr(self.transport, "publish_site"):
-            raise RuntimeError("DMI: CUDA graphs need the native transport, which could not be built here "
-                               "(run `python -m megatron.core.dmi doctor --build`)")
+            raise RuntimeError(
+                "DMI: CUDA graphs need the native transport, which could not be built here "
+                "(run `python -m megatron.core.dmi doctor --build`)"
+            )
 
     @property
     def description(self) -> str:
         c = self.config
-        return (f"DMI: run {self.run_id} attempt {self.attempt} capturing {', '.join(sorted(c.hooks))} "
-                f"via {self.transport.name} transport into {c.persist} ({c.clickhouse_url or c.store_dir})")
+        return (
+            f"DMI: run {self.run_id} attempt {self.attempt} capturing {', '.join(sorted(c.hooks))} "
+            f"via {self.transport.name} transport into {c.persist} ({c.clickhouse_url or c.store_dir})"
+        )
 
     # -- model ------------------------------------------------------------------------------
     def attach(self, chunks: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
@@ -176,8 +180,11 @@ class DMISession:
             self._write_run_info(getattr(_unwrap(chunks[0]), "config", None))
 
     def _write_run_info(self, model_config) -> None:
-        config = {k: (sorted(v) if isinstance(v, frozenset) else v) for k, v in vars(self.config).items()
-                  if k != "clickhouse_password"}
+        config = {
+            k: (sorted(v) if isinstance(v, frozenset) else v)
+            for k, v in vars(self.config).items()
+            if k != "clickhouse_password"
+        }
         self.sink.write_run(
             RunInfo(
                 run_id=self.run_id,
@@ -216,8 +223,9 @@ class DMISession:
         self._microbatch[id(inner)] = microbatch + 1
         self.capture.set_microbatch(microbatch)
         if self._device_context and self.capture.step.active:
-            self.transport.set_context(iteration=step[1], microbatch=microbatch, attempt=self.attempt,
-                                       phase=step[0], invocation=0)
+            self.transport.set_context(
+                iteration=step[1], microbatch=microbatch, attempt=self.attempt, phase=step[0], invocation=0
+            )
 
     def end_capture(self) -> None:
         """Later forwards (e.g. evaluations after the loop) are not captured."""
@@ -287,7 +295,11 @@ class DMISession:
             f"rank {self.coords.rank}: captured {t.published} records ({t.published_bytes} B), "
             f"written {report.records_written} ({report.bytes_written} B), spooled {report.records_spooled}, "
             f"dropped {t.dropped + report.records_dropped}, replays rejected {self.capture.stats.replays_rejected}"
-            + (f", waited for ring space {t.blocked_seconds:.2f} s ({t.blocked} records): raise --dmi-ring-mb"
-               " or see docs/troubleshooting.md" if t.blocked else "")
+            + (
+                f", waited for ring space {t.blocked_seconds:.2f} s ({t.blocked} records): raise --dmi-ring-mb"
+                " or see docs/troubleshooting.md"
+                if t.blocked
+                else ""
+            )
             + (f", errors: {'; '.join(report.errors)}" if report.errors else "")
         )

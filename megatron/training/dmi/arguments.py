@@ -37,7 +37,9 @@ def _layers(value: str) -> tuple[int, ...] | None:
     # Bound every number first: "0-99999999999" must be an error, not a set of 10^11 layers.
     for num in "".join(c if c.isdigit() else " " for c in value).split():
         if len(num) > 6 or int(num) >= MAX_LAYER:
-            raise argparse.ArgumentTypeError(f"layer {num[:12]!r} in {value[:80]!r} is out of range (0..{MAX_LAYER - 1})")
+            raise argparse.ArgumentTypeError(
+                f"layer {num[:12]!r} in {value[:80]!r} is out of range (0..{MAX_LAYER - 1})"
+            )
     try:
         layers = parse_layers(value)
         return None if layers is None else tuple(sorted(layers))
@@ -65,13 +67,17 @@ def ring_memory_problem(mb: float) -> str | None:
     procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's processes on this machine, one ring each
     limit = host_mib / (2 * procs)
     if mb > limit:
-        return (f"{mb:g} MiB does not fit this machine: the ring and its staging copy of each of its {procs} "
-                f"process(es) need twice that in host memory, which is {host_mib:.0f} MiB; use at most {limit:.0f}")
+        return (
+            f"{mb:g} MiB does not fit this machine: the ring and its staging copy of each of its {procs} "
+            f"process(es) need twice that in host memory, which is {host_mib:.0f} MiB; use at most {limit:.0f}"
+        )
     if torch.cuda.is_initialized():  # never initialise CUDA here (before Megatron sets the device)
         free, _ = torch.cuda.mem_get_info()
         if mb * (1 << 20) > free:
-            return (f"{mb:g} MiB does not fit the free memory of cuda:{torch.cuda.current_device()}, "
-                    f"{free / (1 << 20):.0f} MiB")
+            return (
+                f"{mb:g} MiB does not fit the free memory of cuda:{torch.cuda.current_device()}, "
+                f"{free / (1 << 20):.0f} MiB"
+            )
     return None
 
 
@@ -92,7 +98,9 @@ def _phases(value: str) -> tuple[str, ...]:
     phases = frozenset(p.strip() for p in value.split(","))
     unknown = phases - set(PHASES)
     if unknown or not phases:
-        raise argparse.ArgumentTypeError(f"unknown phase(s) {sorted(unknown)} in {value!r} (known: {', '.join(PHASES)})")
+        raise argparse.ArgumentTypeError(
+            f"unknown phase(s) {sorted(unknown)} in {value!r} (known: {', '.join(PHASES)})"
+        )
     return tuple(sorted(phases))
 
 
@@ -130,18 +138,37 @@ def _run_id(value: str) -> str:
 
 def add_dmi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("dmi", "Deep Model Inspection: capture model internals while training")
-    g.add_argument("--dmi-hooks", type=_hooks, default=(),
-                   help="comma list of hook groups or outputs (router, attn, router.logits, attn.q, ..., all, none); "
-                        "default none: DMI is off")
-    g.add_argument("--dmi-persist", choices=("clickhouse", "spool", "none"), default="clickhouse",
-                   help="clickhouse: embedded chDB under --dmi-store-dir, or a server with --dmi-clickhouse-url; "
-                        "spool: local spool segments only (loadable later with `load`); none: capture and transport, store nothing")
-    g.add_argument("--dmi-store-dir", default=None,
-                   help="store and spool directory (default: <--save>/dmi_store, else ./dmi_store)")
-    g.add_argument("--dmi-clickhouse-url", type=_clickhouse_url, default=None,
-                   help=f"ClickHouse server http(s)://host:port (password from ${PASSWORD_ENV} or the file flag)")
-    g.add_argument("--dmi-clickhouse-database", type=database_arg, default="dmi",
-                   help="database name, in the server or the embedded store (letters, digits, '_')")
+    g.add_argument(
+        "--dmi-hooks",
+        type=_hooks,
+        default=(),
+        help="comma list of hook groups or outputs (router, attn, router.logits, attn.q, ..., all, none); "
+        "default none: DMI is off",
+    )
+    g.add_argument(
+        "--dmi-persist",
+        choices=("clickhouse", "spool", "none"),
+        default="clickhouse",
+        help="clickhouse: embedded chDB under --dmi-store-dir, or a server with --dmi-clickhouse-url; "
+        "spool: local spool segments only (loadable later with `load`); none: capture and transport, store nothing",
+    )
+    g.add_argument(
+        "--dmi-store-dir",
+        default=None,
+        help="store and spool directory (default: <--save>/dmi_store, else ./dmi_store)",
+    )
+    g.add_argument(
+        "--dmi-clickhouse-url",
+        type=_clickhouse_url,
+        default=None,
+        help=f"ClickHouse server http(s)://host:port (password from ${PASSWORD_ENV} or the file flag)",
+    )
+    g.add_argument(
+        "--dmi-clickhouse-database",
+        type=database_arg,
+        default="dmi",
+        help="database name, in the server or the embedded store (letters, digits, '_')",
+    )
     g.add_argument("--dmi-clickhouse-password-file", default=None, help="file holding the ClickHouse password")
     g.add_argument("--dmi-interval", type=_positive_int, default=1, help="capture every N-th iteration")
     g.add_argument("--dmi-start-iter", type=_positive_int, default=1, help="first captured iteration (1-based)")
@@ -149,12 +176,23 @@ def add_dmi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dmi-layers", type=_layers, default=None, help="global 0-based layers, e.g. 0,4-7 (default all)")
     g.add_argument("--dmi-phases", type=_phases, default=("train",), help="phases captured: train,valid")
     g.add_argument("--dmi-ring-mb", type=_ring_mb, default=64.0, help="payload ring size per process in MiB")
-    g.add_argument("--dmi-on-full", choices=("block", "drop"), default="block",
-                   help="ring full: block the producer until space frees, or drop (counted, logged, stored)")
-    g.add_argument("--dmi-transport", choices=("auto", "native", "torch"), default="auto",
-                   help="native: JIT-built ring kernels; torch: pure-PyTorch ring; auto: native if it builds")
-    g.add_argument("--dmi-record-replays", action="store_true",
-                   help="keep activation-recompute replays as invocation 1 instead of rejecting them")
+    g.add_argument(
+        "--dmi-on-full",
+        choices=("block", "drop"),
+        default="block",
+        help="ring full: block the producer until space frees, or drop (counted, logged, stored)",
+    )
+    g.add_argument(
+        "--dmi-transport",
+        choices=("auto", "native", "torch"),
+        default="auto",
+        help="native: JIT-built ring kernels; torch: pure-PyTorch ring; auto: native if it builds",
+    )
+    g.add_argument(
+        "--dmi-record-replays",
+        action="store_true",
+        help="keep activation-recompute replays as invocation 1 instead of rejecting them",
+    )
     g.add_argument("--dmi-run-id", type=_run_id, default=None, help="run id (default: generated; kept on resume)")
     g.add_argument("--dmi-logits-topk", type=_positive_int, default=8, help="k of the logits.topk output")
     return parser
@@ -168,7 +206,9 @@ def read_password(args: argparse.Namespace) -> str | None:
 
 
 def config_from_args(args: argparse.Namespace) -> DMIConfig:
-    store_dir = args.dmi_store_dir or (os.path.join(args.save, "dmi_store") if getattr(args, "save", None) else "dmi_store")
+    store_dir = args.dmi_store_dir or (
+        os.path.join(args.save, "dmi_store") if getattr(args, "save", None) else "dmi_store"
+    )
     if args.dmi_end_iter is not None and args.dmi_end_iter < args.dmi_start_iter:
         _fail("--dmi-end-iter", f"{args.dmi_end_iter} is before --dmi-start-iter {args.dmi_start_iter}")
     return DMIConfig(
@@ -237,8 +277,11 @@ def check_dmi_layout(args: argparse.Namespace) -> None:
     if any(BY_NAME[o].group == "logits" for o in args.dmi_hooks) and getattr(args, "mtp_num_layers", None):
         _fail("--dmi-hooks", "logits outputs are not supported with multi-token prediction (--mtp-num-layers)")
     if "mlp.shared" in args.dmi_hooks and getattr(args, "moe_shared_expert_overlap", False):
-        _fail("--dmi-hooks", "mlp.shared is not supported with --moe-shared-expert-overlap (the shared expert runs "
-                             "inside the token dispatcher there)")
+        _fail(
+            "--dmi-hooks",
+            "mlp.shared is not supported with --moe-shared-expert-overlap (the shared expert runs "
+            "inside the token dispatcher there)",
+        )
 
 
 def validate_dmi_args(args: argparse.Namespace) -> None:
@@ -251,30 +294,45 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
         _fail("--dmi-hooks", "router outputs need a MoE model (--num-experts)")
     beyond = [layer for layer in args.dmi_layers or () if layer >= args.num_layers]
     if beyond:
-        _fail("--dmi-layers", f"layer(s) {', '.join(map(str, beyond))} not in this model: --num-layers "
-                              f"{args.num_layers} has layers 0-{args.num_layers - 1}")
+        _fail(
+            "--dmi-layers",
+            f"layer(s) {', '.join(map(str, beyond))} not in this model: --num-layers "
+            f"{args.num_layers} has layers 0-{args.num_layers - 1}",
+        )
     if "logits.full" in args.dmi_hooks and int(os.environ.get("RANK", "0")) == 0:
-        print(f"DMI warning: --dmi-hooks logits.full stores every output logit: {record_bytes('logits.full', shape):,} "
-              "bytes per microbatch per tensor-parallel rank; logits.topk and logits.target are the small views",
-              flush=True)
+        print(
+            f"DMI warning: --dmi-hooks logits.full stores every output logit: {record_bytes('logits.full', shape):,} "
+            "bytes per microbatch per tensor-parallel rank; logits.topk and logits.target are the small views",
+            flush=True,
+        )
     largest = max(record_bytes(o, shape) for o in args.dmi_hooks)
     if largest > args.dmi_ring_mb * (1 << 20):
-        _fail("--dmi-ring-mb", f"{args.dmi_ring_mb} MiB cannot hold one record of {largest} bytes; use at least "
-                               f"{largest / (1 << 20):.2f}")
+        _fail(
+            "--dmi-ring-mb",
+            f"{args.dmi_ring_mb} MiB cannot hold one record of {largest} bytes; use at least {largest / (1 << 20):.2f}",
+        )
     if args.dmi_clickhouse_password_file and not os.access(args.dmi_clickhouse_password_file, os.R_OK):
         _fail("--dmi-clickhouse-password-file", f"cannot read {args.dmi_clickhouse_password_file!r}")
     if args.dmi_persist == "clickhouse" and args.dmi_clickhouse_url:
         why = _ping(args.dmi_clickhouse_url)
         if why is not None:
-            _fail("--dmi-clickhouse-url", f"ClickHouse at {args.dmi_clickhouse_url} is unreachable ({why}); "
-                                          "fix the URL or use --dmi-persist spool and load the spool later")
+            _fail(
+                "--dmi-clickhouse-url",
+                f"ClickHouse at {args.dmi_clickhouse_url} is unreachable ({why}); "
+                "fix the URL or use --dmi-persist spool and load the spool later",
+            )
     if getattr(args, "cuda_graph_impl", "none") != "none":
         if args.dmi_transport == "torch":
-            _fail("--dmi-transport", "CUDA graphs (--cuda-graph-impl) need the native transport (its device gate "
-                                     "and context block replay with the graph); use native or auto")
+            _fail(
+                "--dmi-transport",
+                "CUDA graphs (--cuda-graph-impl) need the native transport (its device gate "
+                "and context block replay with the graph); use native or auto",
+            )
         if args.dmi_record_replays:
-            _fail("--dmi-record-replays", "recompute replays cannot be recorded under CUDA graphs; they are "
-                                          "rejected by the device gate")
+            _fail(
+                "--dmi-record-replays",
+                "recompute replays cannot be recorded under CUDA graphs; they are rejected by the device gate",
+            )
     store_dir = config_from_args(args).store_dir
     try:
         os.makedirs(store_dir, mode=0o700, exist_ok=True)

@@ -65,7 +65,8 @@ def _parse_up_front(argv: list[str]) -> None:
     from megatron.training.arguments import add_megatron_arguments
 
     parser = argparse.ArgumentParser(
-        prog=os.path.basename(argv[0]), allow_abbrev=False,
+        prog=os.path.basename(argv[0]),
+        allow_abbrev=False,
         description="Pretrain a GPT with megatron-core and Deep Model Inspection (the --dmi-* flags).",
     )
     extra_args_provider()(add_megatron_arguments(parser))
@@ -86,7 +87,13 @@ def prepare_process(argv: list[str]) -> None:
                 argv += [flag, value]
         # A plain `python pretrain_gpt.py` is a world of one (torchrun sets these itself); NCCL_ALGO only
         # satisfies --deterministic-mode's check, gloo ignores it.
-        for var, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("NCCL_ALGO", "Ring")):
+        for var, value in (
+            ("RANK", "0"),
+            ("LOCAL_RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("NCCL_ALGO", "Ring"),
+        ):
             os.environ.setdefault(var, value)
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
         cpu_mode.enable(extra_patches=_cpu_training_patches())

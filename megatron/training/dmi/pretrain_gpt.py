@@ -42,7 +42,10 @@ def layer_spec(args, config, vp_stage):
             args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention
         )
     return get_gpt_layer_local_spec(
-        args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention,
+        args.num_experts,
+        args.moe_grouped_gemm,
+        args.qk_layernorm,
+        args.multi_latent_attention,
         normalization=args.normalization,
     )
 

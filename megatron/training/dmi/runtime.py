@@ -66,10 +66,12 @@ class DMIRuntime:
             resumed_from_iteration=resumed_from,
             device=compute_device(),
             cuda_graphs=getattr(args, "cuda_graph_impl", "none") != "none",
-            run_facts={"seq_length": getattr(args, "seq_length", None),
-                       "vocab_size": getattr(args, "padded_vocab_size", None),
-                       "micro_batch_size": getattr(args, "micro_batch_size", None),
-                       "global_batch_size": getattr(args, "global_batch_size", None)},
+            run_facts={
+                "seq_length": getattr(args, "seq_length", None),
+                "vocab_size": getattr(args, "padded_vocab_size", None),
+                "micro_batch_size": getattr(args, "micro_batch_size", None),
+                "global_batch_size": getattr(args, "global_batch_size", None),
+            },
         )
         self.run_id, self.attempt = self.session.run_id, self.session.attempt
         self.scalars = self._router_scalars() if scalars_wanted(args, config.hooks) else None
@@ -81,7 +83,10 @@ class DMIRuntime:
         """TensorBoard/W&B scalars from the router outputs this run captures (see scalars.py)."""
         args, config = self.args, self.config
         scalars = RouterScalars(
-            args.num_layers, args.num_experts, args.moe_router_score_function, compute_device(),
+            args.num_layers,
+            args.num_experts,
+            args.moe_router_score_function,
+            compute_device(),
             lambda first, last: sum(config.captures_iteration("train", i) for i in range(first, last + 1)),
             start_iteration=args.iteration,
         )

@@ -42,7 +42,9 @@ def wanted(args, hooks) -> bool:
     )
 
 
-def summarise(totals: torch.Tensor, num_experts: int, iterations: int) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+def summarise(
+    totals: torch.Tensor, num_experts: int, iterations: int
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """(scalars, histograms) by tag from the summed totals: one row per layer, columns
     [tokens per expert before dropping (E), after dropping (E), entropy sum, entropy tokens]."""
     experts = num_experts
@@ -84,8 +86,15 @@ def normalised_entropy(logits: torch.Tensor, score_function: str) -> torch.Tenso
 class RouterScalars:
     """Sums the router outputs Capture publishes, on the device, between two log intervals."""
 
-    def __init__(self, num_layers: int, num_experts: int, score_function: str, device: torch.device,
-                 captured_iterations: Callable[[int, int], int], start_iteration: int = 0):
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        score_function: str,
+        device: torch.device,
+        captured_iterations: Callable[[int, int], int],
+        start_iteration: int = 0,
+    ):
         self.num_experts = num_experts
         self.score_function = score_function
         self.totals = torch.zeros(num_layers, 2 * num_experts + 2, dtype=torch.float64, device=device)

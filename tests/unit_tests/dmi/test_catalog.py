@@ -4,7 +4,12 @@ from megatron.core.dmi import catalog
 
 
 def test_groups_expand_to_their_default_outputs():
-    assert catalog.parse_hooks("router") == {"router.logits", "router.topk_ids", "router.topk_probs", "router.expert_counts"}
+    assert catalog.parse_hooks("router") == {
+        "router.logits",
+        "router.topk_ids",
+        "router.topk_probs",
+        "router.expert_counts",
+    }
     assert catalog.parse_hooks("attn") == {"attn.context"}  # q and k are opt-in
 
 
@@ -15,15 +20,28 @@ def test_opt_in_outputs_by_name_and_all():
     assert catalog.parse_hooks("none") == frozenset()
 
 
-@pytest.mark.parametrize("spec,bad", [("router,foo", "foo"), ("router.logit", "router.logit"), ("router,,attn", "empty")])
+@pytest.mark.parametrize(
+    "spec,bad", [("router,foo", "foo"), ("router.logit", "router.logit"), ("router,,attn", "empty")]
+)
 def test_bad_hook_lists_name_the_bad_item(spec, bad):
     with pytest.raises(catalog.HookSelectionError, match=bad):
         catalog.parse_hooks(spec)
 
 
 def test_record_sizes_follow_the_model_shape():
-    m = catalog.ModelShape(seq_length=32, micro_batch=2, num_experts=8, topk=2, heads=4, query_groups=2,
-                           head_dim=16, tp=2, sequence_parallel=True, router_itemsize=4, model_itemsize=2)
+    m = catalog.ModelShape(
+        seq_length=32,
+        micro_batch=2,
+        num_experts=8,
+        topk=2,
+        heads=4,
+        query_groups=2,
+        head_dim=16,
+        tp=2,
+        sequence_parallel=True,
+        router_itemsize=4,
+        model_itemsize=2,
+    )
     assert catalog.BY_NAME["router.logits"].local_shape(m)[0] == (32, 8)  # 16 local positions x 2
     assert catalog.record_bytes("router.topk_ids", m) == 32 * 2 * 4
     assert catalog.BY_NAME["attn.context"].local_shape(m)[0] == (32, 2, 2 * 16)
@@ -37,8 +55,19 @@ def test_markdown_table_lists_every_output():
 
 
 def test_resid_and_mlp_shapes_and_groups():
-    m = catalog.ModelShape(seq_length=32, micro_batch=2, num_experts=8, topk=2, heads=4, query_groups=4,
-                           head_dim=16, hidden=64, tp=2, sequence_parallel=True, model_itemsize=2)
+    m = catalog.ModelShape(
+        seq_length=32,
+        micro_batch=2,
+        num_experts=8,
+        topk=2,
+        heads=4,
+        query_groups=4,
+        head_dim=16,
+        hidden=64,
+        tp=2,
+        sequence_parallel=True,
+        model_itemsize=2,
+    )
     assert catalog.BY_NAME["resid.in"].local_shape(m)[0] == (16, 2, 64)  # SP: half the sequence
     assert catalog.BY_NAME["mlp.out"].local_shape(m)[0] == (16, 2, 64)
     assert catalog.record_bytes("router.weight", m) == 8 * 64 * 2
@@ -47,10 +76,17 @@ def test_resid_and_mlp_shapes_and_groups():
     assert catalog.layers_in_scope("mlp.shared", [0, 1, 2], 3, {1, 2}, {2}) == [2]
 
 
-@pytest.mark.parametrize("output,tp,sp,want", [
-    ("router.logits", 2, True, 2), ("router.logits", 2, False, 1), ("attn.context", 2, False, 2),
-    ("resid.in", 2, True, 2), ("resid.in", 2, False, 1), ("router.weight", 2, True, 1),
-])
+@pytest.mark.parametrize(
+    "output,tp,sp,want",
+    [
+        ("router.logits", 2, True, 2),
+        ("router.logits", 2, False, 1),
+        ("attn.context", 2, False, 2),
+        ("resid.in", 2, True, 2),
+        ("resid.in", 2, False, 1),
+        ("router.weight", 2, True, 1),
+    ],
+)
 def test_producers_per_replica(output, tp, sp, want):
     assert catalog.producers_per_replica(output, tp, sp) == want
     assert catalog.producers_per_replica("router.weight", tp, sp, dp_rank0=False) == 0
@@ -71,8 +107,20 @@ def test_sizes_table_gives_bytes_per_token():
 
 
 def test_logits_and_loss_shapes():
-    m = catalog.ModelShape(seq_length=32, micro_batch=2, num_experts=4, topk=2, heads=4, query_groups=4, head_dim=16,
-                           hidden=64, vocab=256, logits_topk=5, tp=2, sequence_parallel=True)
+    m = catalog.ModelShape(
+        seq_length=32,
+        micro_batch=2,
+        num_experts=4,
+        topk=2,
+        heads=4,
+        query_groups=4,
+        head_dim=16,
+        hidden=64,
+        vocab=256,
+        logits_topk=5,
+        tp=2,
+        sequence_parallel=True,
+    )
     assert catalog.BY_NAME["logits.topk"].local_shape(m)[0] == (32, 2, 5, 2)  # the full sequence under SP
     assert catalog.BY_NAME["logits.target"].local_shape(m)[0] == (32, 2, 3)
     assert catalog.BY_NAME["logits.full"].local_shape(m)[0] == (32, 2, 128)  # vocabulary shard

@@ -35,7 +35,7 @@ def test_show(store):
     assert header[:5] == ["layer", "e0", "e1", "e2", "e3"]
     counts = [r for r in recs if r.key.output == "router.expert_counts" and r.key.iteration == 3 and r.key.layer == 1]
     post = sum(r.tensor()[1].long() for r in counts).tolist()
-    row = next(line.split() for line in lines[i + 2:] if line.split()[0] == "1")
+    row = next(line.split() for line in lines[i + 2 :] if line.split()[0] == "1")
     assert [int(x) for x in row[1:5]] == post
     assert "records dropped before persistence: 1" in out
 
@@ -43,8 +43,14 @@ def test_show(store):
 def test_show_entry_point_subprocess(store):
     d, _ = store
     env = dict(os.environ, PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, "-m", "megatron.core.dmi", "show", d, "--iteration", "2"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "megatron.core.dmi", "show", d, "--iteration", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     assert "expert load (tokens after capacity dropping) at iteration 2:" in p.stdout
 
@@ -56,9 +62,13 @@ def test_other_commands(store, tmp_path):
     rc, out = run_isolated(W.load_cli, ["describe", d, "--config"])
     assert rc == 0 and '"note": "test"' in out
     pt = str(tmp_path / "t.pt")
-    rc, out = run_isolated(W.load_cli, ["tensor", d, "--output", "router.logits", "--iteration", "2", "--layer", "1", "--save", pt])
+    rc, out = run_isolated(
+        W.load_cli, ["tensor", d, "--output", "router.logits", "--iteration", "2", "--layer", "1", "--save", pt]
+    )
     assert rc == 0 and "shape [8, 4] dtype float32" in out and "mean" in out
-    ref = torch.cat([r.tensor() for r in recs if r.key.output == "router.logits" and r.key.iteration == 2 and r.key.layer == 1])
+    ref = torch.cat(
+        [r.tensor() for r in recs if r.key.output == "router.logits" and r.key.iteration == 2 and r.key.layer == 1]
+    )
     assert torch.equal(torch.load(pt), ref)
     rc, out = run_isolated(W.load_cli, ["expert-load", d])
     assert rc == 0 and "dropped" in out and len(out.splitlines()) == 1 + 3 * 2
@@ -92,6 +102,7 @@ def test_subcommand_registry():
 
 
 # -- the newcomer's bug list (issue 20) ---------------------------------------------------------
+
 
 def test_expert_load_iteration_honours_layer(store):
     d, _ = store
@@ -151,7 +162,9 @@ def test_describe_config_shows_the_generated_run_id(two_runs):
 
 def _write_with_lost_counts(d: str) -> list:
     recs = W.moe_records(iterations=range(1, 4))
-    lost = [r for r in recs if r.key.output == "router.expert_counts" and r.key.iteration == 2 and r.key.coords.rank == 1]
+    lost = [
+        r for r in recs if r.key.output == "router.expert_counts" and r.key.iteration == 2 and r.key.coords.rank == 1
+    ]
     kept = [r for r in recs if r not in lost]
     W.write_embedded(d, kept, [W.run_info()], drops=[r.key for r in lost])
     return [r.key.iteration for r in lost]
@@ -169,10 +182,13 @@ def test_drops_marks_iterations_with_lost_expert_counts(tmp_path):
 
 # -- a fast, quiet CLI ----------------------------------------------------------------------------
 
+
 def test_megatron_dmi_entry_imports_neither_torch_nor_megatron_core(store):
     d, _ = store
-    code = ("import sys, megatron_dmi; rc = megatron_dmi.main(['show', sys.argv[1]]);"
-            "print('LOADED', 'torch' in sys.modules, 'megatron.core.parallel_state' in sys.modules, rc)")
+    code = (
+        "import sys, megatron_dmi; rc = megatron_dmi.main(['show', sys.argv[1]]);"
+        "print('LOADED', 'torch' in sys.modules, 'megatron.core.parallel_state' in sys.modules, rc)"
+    )
     p = subprocess.run([sys.executable, "-c", code, d], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "LOADED False False 0" in p.stdout
@@ -181,8 +197,13 @@ def test_megatron_dmi_entry_imports_neither_torch_nor_megatron_core(store):
 
 def test_cli_output_has_no_upstream_warnings(store):
     d, _ = store
-    p = subprocess.run([sys.executable, "-m", "megatron_dmi", "watch", d, "--once"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "megatron_dmi", "watch", d, "--once"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     assert "iteration 3: tokens per expert" in p.stdout
     assert p.stderr == ""

@@ -19,8 +19,15 @@ from tests.functional_tests.launch import tiny_moe_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 DOCS = os.path.join(REPO, "docs")
-DOC_FILES = ["install.md", "usage.md", "hooks.md", "storage.md", "troubleshooting.md", "capabilities.md",
-             "reliability.md"]
+DOC_FILES = [
+    "install.md",
+    "usage.md",
+    "hooks.md",
+    "storage.md",
+    "troubleshooting.md",
+    "capabilities.md",
+    "reliability.md",
+]
 
 
 def _read(name: str) -> str:
@@ -100,9 +107,21 @@ def test_troubleshooting_names_every_failing_flag_and_key_messages():
     text = _read("troubleshooting.md")
     for flag in _error_phrases():
         assert f"argument {flag}:" in text, flag
-    for phrase in ("no CUDA GPU is visible", "StoreBusyError", "schema version", "corrupt", "disk full",
-                   "RingTooSmallError", "NativeBuildError", "ReconstructionError", "unavailable, spooling locally",
-                   "IdentifierError", "context parallelism", "psutil", "CUDA graphs need the native transport"):
+    for phrase in (
+        "no CUDA GPU is visible",
+        "StoreBusyError",
+        "schema version",
+        "corrupt",
+        "disk full",
+        "RingTooSmallError",
+        "NativeBuildError",
+        "ReconstructionError",
+        "unavailable, spooling locally",
+        "IdentifierError",
+        "context parallelism",
+        "psutil",
+        "CUDA graphs need the native transport",
+    ):
         assert phrase in text, phrase
 
 
@@ -145,9 +164,18 @@ def _parse_like_pretrain(args: list[str]) -> argparse.Namespace:
 def test_usage_has_the_recipes():
     cmds = [" ".join(c) for c in _pretrain_commands()]
     assert len(cmds) >= 12
-    for needle in ("--dmi-hooks router ", "router,attn", "--dmi-interval", "--dmi-layers", "--recompute-granularity",
-                   "--cuda-graph-impl", "--load", "--dmi-clickhouse-url", "--dmi-persist none",
-                   "--dmi-persist spool"):
+    for needle in (
+        "--dmi-hooks router ",
+        "router,attn",
+        "--dmi-interval",
+        "--dmi-layers",
+        "--recompute-granularity",
+        "--cuda-graph-impl",
+        "--load",
+        "--dmi-clickhouse-url",
+        "--dmi-persist none",
+        "--dmi-persist spool",
+    ):
         assert any(needle in c + " " for c in cmds), needle
 
 

@@ -15,8 +15,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 def _doctor(*args, env=None, timeout=300):
     e = dict(os.environ, PYTHONWARNINGS="ignore")
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "megatron.core.dmi", "doctor", *args], capture_output=True, text=True,
-                          cwd=REPO, env=e, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron.core.dmi", "doctor", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=e,
+        timeout=timeout,
+    )
 
 
 def _lines(out: str) -> dict[str, str]:
@@ -44,8 +50,20 @@ def test_every_line_is_ok_warn_or_fail_with_a_summary(unreachable_run):
         if ln.split()[0] != "ok":
             assert "-> fix: " in ln, ln
     checks = _lines(out)
-    for name in ("python", "torch", "megatron-core", "dataset helpers", "cuda", "c++ compiler", "ninja", "chdb",
-                 "chdb round trip", "transformer engine", "apex", "clickhouse server"):
+    for name in (
+        "python",
+        "torch",
+        "megatron-core",
+        "dataset helpers",
+        "cuda",
+        "c++ compiler",
+        "ninja",
+        "chdb",
+        "chdb round trip",
+        "transformer engine",
+        "apex",
+        "clickhouse server",
+    ):
         assert name in checks, (name, out)
     assert checks["python"] == checks["torch"] == checks["megatron-core"] == checks["dataset helpers"] == "ok"
     assert checks["chdb round trip"] == "ok", out
@@ -111,7 +129,12 @@ def test_hostile_database_name_is_a_failure_not_a_query():
 
 
 def test_hooks_markdown_command_prints_the_catalog_table():
-    p = subprocess.run([sys.executable, "-m", "megatron.core.dmi", "hooks", "--markdown"], capture_output=True,
-                       text=True, cwd=REPO, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "megatron.core.dmi", "hooks", "--markdown"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert p.returncode == 0
     assert p.stdout.strip() == catalog.markdown_table().strip()

@@ -16,7 +16,11 @@ def _modules():
 
 
 def test_every_dmi_error_class_derives_from_dmierror():
-    errors = {obj for mod in _modules() for _, obj in inspect.getmembers(mod, inspect.isclass)
-              if obj.__module__.startswith("megatron.core.dmi.") and issubclass(obj, Exception)}
+    errors = {
+        obj
+        for mod in _modules()
+        for _, obj in inspect.getmembers(mod, inspect.isclass)
+        if obj.__module__.startswith("megatron.core.dmi.") and issubclass(obj, Exception)
+    }
     assert len(errors) >= 10
     assert not [e.__qualname__ for e in errors if not issubclass(e, DMIError)]

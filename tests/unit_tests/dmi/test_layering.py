@@ -21,14 +21,23 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 def test_core_never_imports_megatron_training():
-    offenders = {str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n.startswith("megatron.training"))
-                 for p in CORE.rglob("*.py")}
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n.startswith("megatron.training"))
+        for p in CORE.rglob("*.py")
+    }
     assert {p: n for p, n in offenders.items() if n} == {}
 
 
 def test_the_reader_never_imports_the_spool_writers():
-    writers = ("megatron.core.dmi.sinks.sinks", "megatron.core.dmi.sinks.SpoolSink", "megatron.core.dmi.sinks.EmbeddedSink",
-               "megatron.core.dmi.sinks.spool.SpoolWriter", "megatron.core.dmi.sinks.export")
-    offenders = {str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n.startswith(writers))
-                 for p in (CORE / "reader").rglob("*.py")}
+    writers = (
+        "megatron.core.dmi.sinks.sinks",
+        "megatron.core.dmi.sinks.SpoolSink",
+        "megatron.core.dmi.sinks.EmbeddedSink",
+        "megatron.core.dmi.sinks.spool.SpoolWriter",
+        "megatron.core.dmi.sinks.export",
+    )
+    offenders = {
+        str(p.relative_to(ROOT)): sorted(n for n in _imports(p) if n.startswith(writers))
+        for p in (CORE / "reader").rglob("*.py")
+    }
     assert {p: n for p, n in offenders.items() if n} == {}

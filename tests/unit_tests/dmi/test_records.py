@@ -15,10 +15,22 @@ from megatron.core.dmi.records import (
 
 def key_for(t: torch.Tensor, **over) -> RecordKey:
     base = dict(
-        run_id="r", phase="train", iteration=3, attempt=1, microbatch=2, invocation=0, layer=5,
-        output="router.logits", coords=ParallelCoords(rank=3, tp=1, ep=1), shard_index=0, shard_count=1,
-        token_start=0, token_end=t.shape[0] if t.dim() else 1, token_total=t.shape[0] if t.dim() else 1,
-        dtype=dtype_name(t.dtype), shape=tuple(t.shape),
+        run_id="r",
+        phase="train",
+        iteration=3,
+        attempt=1,
+        microbatch=2,
+        invocation=0,
+        layer=5,
+        output="router.logits",
+        coords=ParallelCoords(rank=3, tp=1, ep=1),
+        shard_index=0,
+        shard_count=1,
+        token_start=0,
+        token_end=t.shape[0] if t.dim() else 1,
+        token_total=t.shape[0] if t.dim() else 1,
+        dtype=dtype_name(t.dtype),
+        shape=tuple(t.shape),
     )
     base.update(over)
     return RecordKey(**base)

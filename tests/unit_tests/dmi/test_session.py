@@ -23,9 +23,11 @@ with open_store(sys.argv[1]) as s:
 
 def test_custom_loop_example_trains_on_the_cpu_without_megatron_training_and_reads_back(tmp_path):
     # Run from a directory outside the checkout, as a user would; fail if megatron.training loads.
-    code = ("import runpy, sys; sys.argv = ['custom_loop.py']; "
-            f"runpy.run_path({os.path.join(REPO, 'examples', 'custom_loop.py')!r}, run_name='__main__'); "
-            "assert 'megatron.training' not in sys.modules, 'the core API imported megatron.training'")
+    code = (
+        "import runpy, sys; sys.argv = ['custom_loop.py']; "
+        f"runpy.run_path({os.path.join(REPO, 'examples', 'custom_loop.py')!r}, run_name='__main__'); "
+        "assert 'megatron.training' not in sys.modules, 'the core API imported megatron.training'"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "written 80 (" in proc.stdout and "dropped 0" in proc.stdout  # report: every record verified in
@@ -35,9 +37,13 @@ def test_custom_loop_example_trains_on_the_cpu_without_megatron_training_and_rea
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     # 4 iterations x 2 microbatches x 2 layers per output
-    assert got == {"run": state["run_id"], "counts": {o: 16 for o in ("attn.context", "router.expert_counts",
-                                                                      "router.logits", "router.topk_ids",
-                                                                      "router.topk_probs")}}
+    assert got == {
+        "run": state["run_id"],
+        "counts": {
+            o: 16
+            for o in ("attn.context", "router.expert_counts", "router.logits", "router.topk_ids", "router.topk_probs")
+        },
+    }
 
 
 def test_resuming_from_a_saved_state_continues_the_run_under_a_new_attempt(tmp_path):

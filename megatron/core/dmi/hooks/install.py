@@ -240,17 +240,22 @@ def _resid_block_site(hooks: HookSet, block: TransformerBlock, coords: ParallelC
         layer = last[0].layer_number - 1
         shards = TokenShards.of(block.config, coords)
         if block.final_layernorm is not None:
+
             def norm_input(norm, args):
                 _publish_sequence(hooks, layer, coords, shards, {"resid.out": args[0]})
 
             hooks._handles.append(block.final_layernorm.register_forward_pre_hook(norm_input))
         else:  # no final norm: the last layer's output is the block's output
+
             def layer_output(module, args, output):
                 _publish_sequence(hooks, layer, coords, shards, {"resid.out": output[0]})
 
             hooks._handles.append(last[0].register_forward_hook(layer_output))
-    routers = {m.layer_number - 1: m.mlp.router for m in block.layers
-               if isinstance(getattr(getattr(m, "mlp", None), "router", None), TopKRouter)}
+    routers = {
+        m.layer_number - 1: m.mlp.router
+        for m in block.layers
+        if isinstance(getattr(getattr(m, "mlp", None), "router", None), TopKRouter)
+    }
     if not routers or coords.tp != 0 or coords.dp != 0:
         return
 
@@ -261,8 +266,9 @@ def _resid_block_site(hooks: HookSet, block: TransformerBlock, coords: ParallelC
             if capture.wants("router.weight", layer):
                 experts = router.weight.shape[0]
                 with torch.no_grad():
-                    capture.publish_all(layer, coords, Placement(0, experts, experts),
-                                        {"router.weight": router.weight.detach()})
+                    capture.publish_all(
+                        layer, coords, Placement(0, experts, experts), {"router.weight": router.weight.detach()}
+                    )
 
     hooks._handles.append(block.register_forward_pre_hook(publish_weights, with_kwargs=True))
 
@@ -315,8 +321,9 @@ def _logits_site(hooks: HookSet, model: LanguageModule, coords: ParallelCoords) 
             return
         logits = output[0] if isinstance(output, tuple) else output
         with torch.no_grad():
-            values = vocabulary_views(logits.detach(), labels.t(), coords.tp * logits.shape[-1],
-                                      capture.config.logits_topk, selected)
+            values = vocabulary_views(
+                logits.detach(), labels.t(), coords.tp * logits.shape[-1], capture.config.logits_topk, selected
+            )
             rows = logits.shape[0]
             capture.publish_all(layer, coords, Placement(0, rows, rows, shard_index=coords.tp, shard_count=tp), values)
 
@@ -324,8 +331,9 @@ def _logits_site(hooks: HookSet, model: LanguageModule, coords: ParallelCoords) 
     hooks._handles.append(model.output_layer.register_forward_hook(publish))
 
 
-def vocabulary_views(logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, k: int,
-                     outputs: list[str]) -> dict[str, torch.Tensor]:
+def vocabulary_views(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_start: int, k: int, outputs: list[str]
+) -> dict[str, torch.Tensor]:
     """The logits.* outputs of one vocabulary shard: logits [s, b, V_local] (ids vocab_start..),
     labels [s, b] global ids. See catalog.py for each output's layout."""
     out = {}

@@ -81,8 +81,17 @@ def _select_on_device(kernels, probs, routing_map, pre_probs, pre_map, topk: int
     weights = torch.empty((tokens, topk), dtype=probs.dtype, device=probs.device)
     counts = torch.empty((2, num_experts), dtype=torch.int32, device=probs.device)
     kernels.router_select(
-        probs.data_ptr(), routing_map.data_ptr(), pre_probs.data_ptr(), pre_map.data_ptr(), tokens, num_experts,
-        topk, _KERNEL_DTYPES[probs.dtype], ids.data_ptr(), weights.data_ptr(), counts.data_ptr(),
+        probs.data_ptr(),
+        routing_map.data_ptr(),
+        pre_probs.data_ptr(),
+        pre_map.data_ptr(),
+        tokens,
+        num_experts,
+        topk,
+        _KERNEL_DTYPES[probs.dtype],
+        ids.data_ptr(),
+        weights.data_ptr(),
+        counts.data_ptr(),
         torch.cuda.current_stream(probs.device).cuda_stream,
     )
     return ids, weights, counts

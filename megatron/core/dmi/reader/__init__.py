@@ -12,10 +12,16 @@ Names are imported on first use: reading a store needs pyarrow, pandas and chDB,
 import importlib
 
 _MODULE_OF = {
-    "open_store": "store", "Store": "store", "RunDescription": "store", "resolve_store_dir": "store",
-    "StoreError": "errors", "ReconstructionError": "errors", "AmbiguousLayerError": "errors",
+    "open_store": "store",
+    "Store": "store",
+    "RunDescription": "store",
+    "resolve_store_dir": "store",
+    "StoreError": "errors",
+    "ReconstructionError": "errors",
+    "AmbiguousLayerError": "errors",
     "reconstruct": "reconstruct",
-    "StoreBusyError": "megatron.core.dmi.sinks.backend", "SchemaVersionError": "megatron.core.dmi.sinks.schema",
+    "StoreBusyError": "megatron.core.dmi.sinks.backend",
+    "SchemaVersionError": "megatron.core.dmi.sinks.schema",
 }
 
 

@@ -48,15 +48,22 @@ def _share(df: pd.DataFrame, by: list[str]) -> pd.Series:
     return (df["tokens"] / total.where(total > 0)).fillna(0.0)
 
 
-def routing_concentration(store: Store, run_id: str | None = None, phase: str = "train",
-                          layers: Sequence[int] | None = None, iterations: Sequence[int] | None = None,
-                          window: int = 1) -> RoutingConcentration:
+def routing_concentration(
+    store: Store,
+    run_id: str | None = None,
+    phase: str = "train",
+    layers: Sequence[int] | None = None,
+    iterations: Sequence[int] | None = None,
+    window: int = 1,
+) -> RoutingConcentration:
     """Expert frequency, hot-expert heatmap per ``window`` captured iterations, top-N coverage."""
     if window < 1:
         raise StoreError(f"window must be at least 1 iteration, got {window}")
     load = store.expert_load(run_id, phase, layers, iterations)
     if load.empty:
-        raise StoreError("no router.expert_counts captured for these iterations and layers (capture --dmi-hooks router)")
+        raise StoreError(
+            "no router.expert_counts captured for these iterations and layers (capture --dmi-hooks router)"
+        )
     load = load.rename(columns={"tokens_pre": "tokens"})[["iteration", "layer", "expert", "tokens"]]
 
     frequency = load.groupby(["layer", "expert"], as_index=False)["tokens"].sum()
@@ -75,8 +82,11 @@ def routing_concentration(store: Store, run_id: str | None = None, phase: str = 
     for layer, d in frequency.groupby("layer"):
         cumulative = np.cumsum(np.sort(d["share"].to_numpy())[::-1])
         rows += [{"layer": layer, "top_n": n + 1, "coverage": float(c)} for n, c in enumerate(cumulative)]
-    return RoutingConcentration(frequency.reset_index(drop=True), heatmap.reset_index(drop=True),
-                                pd.DataFrame(rows, columns=["layer", "top_n", "coverage"]))
+    return RoutingConcentration(
+        frequency.reset_index(drop=True),
+        heatmap.reset_index(drop=True),
+        pd.DataFrame(rows, columns=["layer", "top_n", "coverage"]),
+    )
 
 
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -105,8 +115,9 @@ def predicted_expert_counts(hidden: torch.Tensor, weight: torch.Tensor, topk: in
     return torch.bincount(order.reshape(-1), minlength=weight.shape[0])
 
 
-def _stored(store: Store, run_id: str, phase: str, iteration: int, attempt: int, output: str, columns: str,
-            layer: int = -1) -> list[tuple]:
+def _stored(
+    store: Store, run_id: str, phase: str, iteration: int, attempt: int, output: str, columns: str, layer: int = -1
+) -> list[tuple]:
     """Distinct ``columns`` of the original-forward records of ``output`` in one iteration (one layer
     unless ``layer`` is -1)."""
     table = store.sql(
@@ -114,13 +125,25 @@ def _stored(store: Store, run_id: str, phase: str, iteration: int, attempt: int,
         f" AND phase = {{phase:String}} AND output = {{output:String}} AND iteration = {{it:Int64}}"
         f" AND attempt = {{att:Int32}} AND invocation = 0 AND ({{layer:Int32}} = -1 OR layer = {{layer:Int32}})"
         f" ORDER BY {columns}",
-        {"run": run_id, "phase": phase, "output": output, "it": int(iteration), "att": int(attempt), "layer": int(layer)})
+        {
+            "run": run_id,
+            "phase": phase,
+            "output": output,
+            "it": int(iteration),
+            "att": int(attempt),
+            "layer": int(layer),
+        },
+    )
     return list(zip(*(table.column(c.strip()).to_pylist() for c in columns.split(","))))
 
 
-def routing_predictability(store: Store, run_id: str | None = None, phase: str = "train",
-                           layers: Sequence[int] | None = None, iterations: Sequence[int] | None = None
-                           ) -> pd.DataFrame:
+def routing_predictability(
+    store: Store,
+    run_id: str | None = None,
+    phase: str = "train",
+    layers: Sequence[int] | None = None,
+    iterations: Sequence[int] | None = None,
+) -> pd.DataFrame:
     """Per (iteration, layer L): layer L's router weight applied to layer L-1's ``resid.in`` of every
     stored microbatch and data-parallel rank, its top-k per token counted per expert
     (``predicted``), against the router's own choices at layer L over the same tokens
@@ -150,23 +173,40 @@ def routing_predictability(store: Store, run_id: str | None = None, phase: str =
             actual_counts = actual.sort_values("expert")["tokens_pre"].to_numpy(dtype=np.float64)
             topk, rest = divmod(int(actual_counts.sum()), tokens)
             if rest or topk < 1:
-                raise StoreError(f"iteration {it} layer {layer}: {int(actual_counts.sum())} routed slots over {tokens} "
-                                 "resid.in tokens is not a whole top-k: the layer's inputs or counts are incomplete")
+                raise StoreError(
+                    f"iteration {it} layer {layer}: {int(actual_counts.sum())} routed slots over {tokens} "
+                    "resid.in tokens is not a whole top-k: the layer's inputs or counts are incomplete"
+                )
             predicted = sum(predicted_expert_counts(h, weight, topk) for h in hidden).double().numpy()
-            rows.append({"iteration": it, "layer": layer, "topk": topk, "tokens": tokens,
-                         "cosine": cosine(predicted, actual_counts), "spearman": spearman(predicted, actual_counts),
-                         "predicted": predicted.astype(np.int64).tolist(),
-                         "actual": actual_counts.astype(np.int64).tolist()})
+            rows.append(
+                {
+                    "iteration": it,
+                    "layer": layer,
+                    "topk": topk,
+                    "tokens": tokens,
+                    "cosine": cosine(predicted, actual_counts),
+                    "spearman": spearman(predicted, actual_counts),
+                    "predicted": predicted.astype(np.int64).tolist(),
+                    "actual": actual_counts.astype(np.int64).tolist(),
+                }
+            )
     if not rows:
-        raise StoreError("nothing to predict: needs router.weight and router.expert_counts of a layer L >= 1 and "
-                         "resid.in of layer L-1 in the same iteration (capture --dmi-hooks router,resid)")
-    return pd.DataFrame(rows, columns=["iteration", "layer", "topk", "tokens", "cosine", "spearman", "predicted",
-                                       "actual"])
+        raise StoreError(
+            "nothing to predict: needs router.weight and router.expert_counts of a layer L >= 1 and "
+            "resid.in of layer L-1 in the same iteration (capture --dmi-hooks router,resid)"
+        )
+    return pd.DataFrame(
+        rows, columns=["iteration", "layer", "topk", "tokens", "cosine", "spearman", "predicted", "actual"]
+    )
 
 
-
-def loss_vs_routing(store: Store, run_id: str | None = None, phase: str = "train", layers: Sequence[int] | None = None,
-                    iterations: Sequence[int] | None = None) -> pd.DataFrame:
+def loss_vs_routing(
+    store: Store,
+    run_id: str | None = None,
+    phase: str = "train",
+    layers: Sequence[int] | None = None,
+    iterations: Sequence[int] | None = None,
+) -> pd.DataFrame:
     """Per (iteration, layer): ``tokens_dropped`` / ``tokens_kept`` (tokens the loss mask counts, by
     whether the layer dropped at least one of their routes) and their mean loss ``loss_dropped`` /
     ``loss_kept`` (NaN without such tokens), over every stored microbatch and data-parallel rank.
@@ -178,8 +218,11 @@ def loss_vs_routing(store: Store, run_id: str | None = None, phase: str = "train
     sums: dict[tuple[int, int], np.ndarray] = {}  # (iteration, layer) -> [weight, loss x weight] x (dropped, kept)
     for it in its:
         attempt = visible[(phase, it)]
-        routed = [layer for (layer,) in _stored(store, run_id, phase, it, attempt, "router.topk_ids", "layer")
-                  if (not layers or layer in set(layers)) and layer in experts.index]
+        routed = [
+            layer
+            for (layer,) in _stored(store, run_id, phase, it, attempt, "router.topk_ids", "layer")
+            if (not layers or layer in set(layers)) and layer in experts.index
+        ]
         for dp, mb in _stored(store, run_id, phase, it, attempt, "loss.token", "dp, microbatch"):
             loss_and_mask = store.tensor(run_id, "loss.token", it, mb, None, phase, dp).double()
             loss = loss_and_mask[..., 0].reshape(-1)
@@ -187,8 +230,10 @@ def loss_vs_routing(store: Store, run_id: str | None = None, phase: str = "train
             for layer in routed:
                 ids = store.tensor(run_id, "router.topk_ids", it, mb, layer, phase, dp)
                 if ids.shape[0] != loss.shape[0]:
-                    raise StoreError(f"iteration {it} microbatch {mb} dp {dp} layer {layer}: {ids.shape[0]} routed tokens "
-                                     f"but {loss.shape[0]} per-token losses")
+                    raise StoreError(
+                        f"iteration {it} microbatch {mb} dp {dp} layer {layer}: {ids.shape[0]} routed tokens "
+                        f"but {loss.shape[0]} per-token losses"
+                    )
                 dropped = (ids == int(experts[layer])).any(dim=-1)
                 acc = sums.setdefault((it, layer), np.zeros(4))
                 for column, chosen in ((0, dropped), (2, ~dropped)):
@@ -196,11 +241,20 @@ def loss_vs_routing(store: Store, run_id: str | None = None, phase: str = "train
                     acc[column] += float(w.sum())
                     acc[column + 1] += float((loss[chosen] * w).sum())
     if not sums:
-        raise StoreError("nothing to compare: needs loss.token and router.topk_ids of the same iterations "
-                         "(capture --dmi-hooks router,loss)")
+        raise StoreError(
+            "nothing to compare: needs loss.token and router.topk_ids of the same iterations "
+            "(capture --dmi-hooks router,loss)"
+        )
     rows = []
     for (it, layer), (w_dropped, l_dropped, w_kept, l_kept) in sorted(sums.items()):
-        rows.append({"iteration": it, "layer": layer, "tokens_dropped": w_dropped, "tokens_kept": w_kept,
-                     "loss_dropped": l_dropped / w_dropped if w_dropped else float("nan"),
-                     "loss_kept": l_kept / w_kept if w_kept else float("nan")})
+        rows.append(
+            {
+                "iteration": it,
+                "layer": layer,
+                "tokens_dropped": w_dropped,
+                "tokens_kept": w_kept,
+                "loss_dropped": l_dropped / w_dropped if w_dropped else float("nan"),
+                "loss_kept": l_kept / w_kept if w_kept else float("nan"),
+            }
+        )
     return pd.DataFrame(rows)

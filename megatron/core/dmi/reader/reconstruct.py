@@ -69,8 +69,13 @@ def _check_tiling(ranges: list[tuple[int, int]], total: int, what: str, by_range
         raise ReconstructionError(f"{what}: gap: tokens [{pos}, {total}) of {total} are missing{expected}")
 
 
-def reconstruct(records: Sequence[Record], output: str | None = None, *, what: str = "",
-                expected_ranks: dict[int, list[int]] | None = None) -> torch.Tensor:
+def reconstruct(
+    records: Sequence[Record],
+    output: str | None = None,
+    *,
+    what: str = "",
+    expected_ranks: dict[int, list[int]] | None = None,
+) -> torch.Tensor:
     """The full tensor from ``records`` (all of one key up to the shard fields).
 
     ``expected_ranks`` (optional, shard index -> ranks that should have produced it, from the
@@ -105,7 +110,9 @@ def reconstruct(records: Sequence[Record], output: str | None = None, *, what: s
                 f"{what}: rank {r.key.coords.rank} record covers tokens [{start}, {end}) but has {r.key.shape[0]} rows"
             )
         if not 0 <= shard < shard_count:
-            raise ReconstructionError(f"{what}: shard index {shard} outside 0..{shard_count - 1} (rank {r.key.coords.rank})")
+            raise ReconstructionError(
+                f"{what}: shard index {shard} outside 0..{shard_count - 1} (rank {r.key.coords.rank})"
+            )
         by_range[(start, end)][shard] = r
 
     def exp(shard: int | None = None) -> str:
@@ -124,7 +131,9 @@ def reconstruct(records: Sequence[Record], output: str | None = None, *, what: s
                 if acc is None:
                     acc = t.clone()
                 elif t.shape != acc.shape:
-                    raise ReconstructionError(f"{what}: cannot sum shapes {list(acc.shape)} and {list(t.shape)} (rank {r.key.coords.rank})")
+                    raise ReconstructionError(
+                        f"{what}: cannot sum shapes {list(acc.shape)} and {list(t.shape)} (rank {r.key.coords.rank})"
+                    )
                 else:
                     acc += t
         return acc

@@ -61,9 +61,14 @@ def _active_parts(names: list[str]) -> tuple[list[str], int]:
     def rank(k):
         return (k[2] - k[1], k[3], k[4])
 
-    active = [n for n, k in keys.items()
-              if not any(o != n and ok[0] == k[0] and ok[1] <= k[1] and ok[2] >= k[2] and rank(ok) > rank(k)
-                         for o, ok in keys.items())]
+    active = [
+        n
+        for n, k in keys.items()
+        if not any(
+            o != n and ok[0] == k[0] and ok[1] <= k[1] and ok[2] >= k[2] and rank(ok) > rank(k)
+            for o, ok in keys.items()
+        )
+    ]
     return sorted(active), len(keys) - len(active)
 
 

@@ -36,13 +36,40 @@ if TYPE_CHECKING:
     import torch
 
 _KEY_SELECT = ", ".join(
-    ["run_id", "phase", "iteration", "attempt", "microbatch", "invocation", "layer", "output", "rank", "tp", "pp",
-     "vpp", "dp", "cp", "ep", "etp", "shard_index", "shard_count", "token_start", "token_end", "token_total", "dtype",
-     "shape", "nbytes", "checksum", "payload"]
+    [
+        "run_id",
+        "phase",
+        "iteration",
+        "attempt",
+        "microbatch",
+        "invocation",
+        "layer",
+        "output",
+        "rank",
+        "tp",
+        "pp",
+        "vpp",
+        "dp",
+        "cp",
+        "ep",
+        "etp",
+        "shard_index",
+        "shard_count",
+        "token_start",
+        "token_end",
+        "token_total",
+        "dtype",
+        "shape",
+        "nbytes",
+        "checksum",
+        "payload",
+    ]
 )
 _URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
-_VISIBLE = ("attempt = transform(concat(phase, ':', toString(iteration)), {vis_keys:Array(String)}, "
-            "{vis_attempts:Array(Int32)}, toInt32(-1))")
+_VISIBLE = (
+    "attempt = transform(concat(phase, ':', toString(iteration)), {vis_keys:Array(String)}, "
+    "{vis_attempts:Array(Int32)}, toInt32(-1))"
+)
 
 
 @dataclass
@@ -63,20 +90,27 @@ class RunDescription:
     versions: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        lines = [f"run {self.run_id}: {self.records} records, {self.bytes / 2**20:.2f} MiB"
-                 + (f" ({self.superseded_records} superseded by later attempts)" if self.superseded_records else "")]
+        lines = [
+            f"run {self.run_id}: {self.records} records, {self.bytes / 2**20:.2f} MiB"
+            + (f" ({self.superseded_records} superseded by later attempts)" if self.superseded_records else "")
+        ]
         for _, a in self.attempts.iterrows():
             rf = a["resumed_from_iteration"]
-            lines.append(f"  attempt {a['attempt']}: " + ("fresh start" if rf < 0 else f"resumed from iteration {rf}")
-                         + f", {a['world_size']} rank(s), started {a['started_at']}")
+            lines.append(
+                f"  attempt {a['attempt']}: "
+                + ("fresh start" if rf < 0 else f"resumed from iteration {rf}")
+                + f", {a['world_size']} rank(s), started {a['started_at']}"
+            )
         for phase, its in self.iterations.items():
             if its:
                 lines.append(f"  {phase}: {len(its)} iteration(s) {its[0]}..{its[-1]}")
         lines.append(f"  layers: {_ranges(self.layers)}")
         if self.layout:
             order = {k: i for i, k in enumerate(_LAYOUT_ORDER)}
-            lines.append("  layout: " + " ".join(f"{k}={v}" for k, v in
-                                                  sorted(self.layout.items(), key=lambda kv: order.get(kv[0], 99))))
+            lines.append(
+                "  layout: "
+                + " ".join(f"{k}={v}" for k, v in sorted(self.layout.items(), key=lambda kv: order.get(kv[0], 99)))
+            )
         if self.model:
             lines.append("  model: " + ", ".join(f"{k}={v}" for k, v in self.model.items() if k in _MODEL_HEADLINE))
         if self.versions:
@@ -88,9 +122,19 @@ class RunDescription:
 
 _LAYOUT_ORDER = ("world_size", "tp", "pp", "vpp", "cp", "ep", "etp", "dp")
 # The model fields ``describe`` prints on one line (the full summary is in ``RunDescription.model``).
-_MODEL_HEADLINE = ("num_layers", "hidden_size", "num_attention_heads", "num_moe_experts", "moe_router_topk",
-                   "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_router_score_function", "params_dtype",
-                   "seq_length", "sequence_parallel")
+_MODEL_HEADLINE = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_expert_capacity_factor",
+    "moe_token_drop_policy",
+    "moe_router_score_function",
+    "params_dtype",
+    "seq_length",
+    "sequence_parallel",
+)
 
 
 def _json_or_empty(text: str | None) -> dict:
@@ -120,8 +164,15 @@ def resolve_store_dir(path: str) -> tuple[str, str]:
     return path, os.path.join(path, "chdb")
 
 
-def open_store(path_or_url: str, *, database: str = S.DEFAULT_DATABASE, ingest: bool = True,
-               password: str | None = None, progress: bool = False, writable: bool = False) -> Store:
+def open_store(
+    path_or_url: str,
+    *,
+    database: str = S.DEFAULT_DATABASE,
+    ingest: bool = True,
+    password: str | None = None,
+    progress: bool = False,
+    writable: bool = False,
+) -> Store:
     """Open a store.
 
     ``path_or_url``: a store directory (``--dmi-store-dir``: holds ``chdb/`` and ``spool/``) or a
@@ -162,8 +213,12 @@ def open_store(path_or_url: str, *, database: str = S.DEFAULT_DATABASE, ingest: 
         if os.path.isdir(snapshot.spool_root):
             result = _ingest_with_progress(backend, snapshot.spool_root, delete=False, progress=progress)
             if result.segments_corrupt:
-                warnings.warn(f"DMI: {result.segments_corrupt} corrupt spool segment(s) skipped while reading "
-                              f"{path_or_url}: " + "; ".join(result.errors[:3]), RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"DMI: {result.segments_corrupt} corrupt spool segment(s) skipped while reading "
+                    f"{path_or_url}: " + "; ".join(result.errors[:3]),
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
     except BaseException:
         if backend is not None:
             backend.close()
@@ -191,8 +246,14 @@ class Store:
     """``ingest_result``: spool segments loaded into this (snapshot) view when it opened;
     ``snapshot_stats``: what the snapshot linked (None for a store opened writable or a server)."""
 
-    def __init__(self, backend: Backend, location: str, ingest_result: IngestResult | None = None,
-                 snapshot: ReaderSnapshot | None = None, snapshot_stats: SnapshotStats | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        location: str,
+        ingest_result: IngestResult | None = None,
+        snapshot: ReaderSnapshot | None = None,
+        snapshot_stats: SnapshotStats | None = None,
+    ):
         self.backend = backend
         self.location = location
         self.ingest_result = ingest_result or IngestResult()
@@ -300,72 +361,122 @@ class Store:
             f"uniqExact(iteration) AS n_iterations, min(iteration) AS first_iteration, max(iteration) AS last_iteration, "
             f"uniqExact(microbatch) AS microbatches, arraySort(groupUniqArray(rank)) AS ranks "
             f"FROM {self.t('tensors')} FINAL WHERE run_id = {{run:String}} AND {_VISIBLE} "
-            f"GROUP BY phase, output ORDER BY phase, output", params)
-        superseded = self.sql(
-            f"SELECT count() AS n FROM {self.t('tensors')} FINAL WHERE run_id = {{run:String}} AND NOT ({_VISIBLE})",
-            params).column("n")[0].as_py()
-        drops = self.sql(f"SELECT count() AS n FROM {self.t('drops')} FINAL WHERE run_id = {{run:String}}",
-                         {"run": run_id}).column("n")[0].as_py()
+            f"GROUP BY phase, output ORDER BY phase, output",
+            params,
+        )
+        superseded = (
+            self.sql(
+                f"SELECT count() AS n FROM {self.t('tensors')} FINAL WHERE run_id = {{run:String}} AND NOT ({_VISIBLE})",
+                params,
+            )
+            .column("n")[0]
+            .as_py()
+        )
+        drops = (
+            self.sql(f"SELECT count() AS n FROM {self.t('drops')} FINAL WHERE run_id = {{run:String}}", {"run": run_id})
+            .column("n")[0]
+            .as_py()
+        )
         attempts = self.attempts(run_id)
         latest = attempts.iloc[-1] if not attempts.empty else None
-        meta = {name: _json_or_empty(None if latest is None else latest[f"{name}_json"])
-                for name in ("config", "model", "layout", "versions")}
+        meta = {
+            name: _json_or_empty(None if latest is None else latest[f"{name}_json"])
+            for name in ("config", "model", "layout", "versions")
+        }
         if meta["config"].get("run_id") is None and meta["config"]:
             meta["config"]["run_id"] = run_id  # the config holds what was asked for; the id was generated
         vis = self.visible_attempts(run_id)
         iterations: dict[str, list[int]] = defaultdict(list)
-        for (phase, it) in sorted(vis):
+        for phase, it in sorted(vis):
             iterations[phase].append(it)
         layers = sorted({int(x) for ls in outputs["layers"] for x in ls}) if not outputs.empty else []
         return RunDescription(
-            run_id=run_id, attempts=attempts.drop(columns=["config_json", "model_json", "layout_json", "command_line"]),
-            outputs=outputs, layers=layers,
-            iterations=dict(iterations), records=int(outputs["records"].sum()) if not outputs.empty else 0,
-            bytes=int(outputs["bytes"].sum()) if not outputs.empty else 0, superseded_records=int(superseded),
-            dropped_records=int(drops), **meta,
+            run_id=run_id,
+            attempts=attempts.drop(columns=["config_json", "model_json", "layout_json", "command_line"]),
+            outputs=outputs,
+            layers=layers,
+            iterations=dict(iterations),
+            records=int(outputs["records"].sum()) if not outputs.empty else 0,
+            bytes=int(outputs["bytes"].sum()) if not outputs.empty else 0,
+            superseded_records=int(superseded),
+            dropped_records=int(drops),
+            **meta,
             command_line=[] if latest is None or latest["command_line"] is None else list(latest["command_line"]),
         )
 
     def topology(self, run_id: str, attempt: int | None = None) -> pd.DataFrame:
         if attempt is None:
             attempt = int(self.attempts(run_id)["attempt"].max()) if not self.attempts(run_id).empty else 0
-        return self.df(f"SELECT * FROM {self.t('topology')} FINAL WHERE run_id = {{run:String}} AND attempt = {{a:Int32}} "
-                       f"ORDER BY rank", {"run": run_id, "a": int(attempt)})
+        return self.df(
+            f"SELECT * FROM {self.t('topology')} FINAL WHERE run_id = {{run:String}} AND attempt = {{a:Int32}} "
+            f"ORDER BY rank",
+            {"run": run_id, "a": int(attempt)},
+        )
 
     def dropped_records(self, run_id: str | None = None) -> pd.DataFrame:
         """Records lost before persistence (ring full, disk full), with their keys and reason."""
         run_id = self.resolve_run(run_id)
-        return self.df(f"SELECT * FROM {self.t('drops')} FINAL WHERE run_id = {{run:String}} "
-                       f"ORDER BY attempt, iteration, microbatch, layer, output, rank", {"run": run_id})
+        return self.df(
+            f"SELECT * FROM {self.t('drops')} FINAL WHERE run_id = {{run:String}} "
+            f"ORDER BY attempt, iteration, microbatch, layer, output, rank",
+            {"run": run_id},
+        )
 
     def reports(self, run_id: str | None = None) -> pd.DataFrame:
         run_id = self.resolve_run(run_id)
-        return self.df(f"SELECT * FROM {self.t('reports')} FINAL WHERE run_id = {{run:String}} ORDER BY attempt, rank",
-                       {"run": run_id})
+        return self.df(
+            f"SELECT * FROM {self.t('reports')} FINAL WHERE run_id = {{run:String}} ORDER BY attempt, rank",
+            {"run": run_id},
+        )
 
     # -- tensors ----------------------------------------------------------------------------
-    def records(self, run_id: str, output: str, iteration: int, microbatch: int = 0, layer: int | None = None,
-                phase: str = "train", dp: int = 0, invocation: int = 0) -> list[Record]:
+    def records(
+        self,
+        run_id: str,
+        output: str,
+        iteration: int,
+        microbatch: int = 0,
+        layer: int | None = None,
+        phase: str = "train",
+        dp: int = 0,
+        invocation: int = 0,
+    ) -> list[Record]:
         """The stored shards of one tensor (checksums verified), from the visible attempt."""
         vis = self.visible_attempts(run_id)
         attempt = vis.get((phase, int(iteration)))
         if attempt is None:
             its = sorted(i for p, i in vis if p == phase)
-            raise StoreError(f"run {run_id!r} has no {phase} records at iteration {iteration}"
-                             + (f" (captured: {_ranges(its)})" if its else ""))
-        params = {"run": run_id, "phase": phase, "output": output, "it": int(iteration), "mb": int(microbatch),
-                  "inv": int(invocation), "att": int(attempt), "dp": int(dp)}
-        where = ("run_id = {run:String} AND phase = {phase:String} AND output = {output:String} AND iteration = {it:Int64} "
-                 "AND microbatch = {mb:Int32} AND invocation = {inv:Int8} AND attempt = {att:Int32} AND dp = {dp:Int32}")
+            raise StoreError(
+                f"run {run_id!r} has no {phase} records at iteration {iteration}"
+                + (f" (captured: {_ranges(its)})" if its else "")
+            )
+        params = {
+            "run": run_id,
+            "phase": phase,
+            "output": output,
+            "it": int(iteration),
+            "mb": int(microbatch),
+            "inv": int(invocation),
+            "att": int(attempt),
+            "dp": int(dp),
+        }
+        where = (
+            "run_id = {run:String} AND phase = {phase:String} AND output = {output:String} AND iteration = {it:Int64} "
+            "AND microbatch = {mb:Int32} AND invocation = {inv:Int8} AND attempt = {att:Int32} AND dp = {dp:Int32}"
+        )
         if layer is None:
-            layers = self.sql(f"SELECT DISTINCT layer FROM {self.t('tensors')} WHERE {where} ORDER BY layer",
-                              params).column("layer").to_pylist()
+            layers = (
+                self.sql(f"SELECT DISTINCT layer FROM {self.t('tensors')} WHERE {where} ORDER BY layer", params)
+                .column("layer")
+                .to_pylist()
+            )
             if len(layers) != 1:
                 raise AmbiguousLayerError(output, iteration, _ranges(layers) if layers else "none")
             layer = layers[0]
         params["layer"] = int(layer)
-        table = self.sql(f"SELECT {_KEY_SELECT} FROM {self.t('tensors')} FINAL WHERE {where} AND layer = {{layer:Int32}}",
-                         params)
+        table = self.sql(
+            f"SELECT {_KEY_SELECT} FROM {self.t('tensors')} FINAL WHERE {where} AND layer = {{layer:Int32}}", params
+        )
         return self._to_records(table)
 
     @staticmethod
@@ -379,12 +490,22 @@ class Store:
             if zlib.crc32(payload) != checksum:
                 raise ReconstructionError(
                     f"{key.output} iteration {key.iteration} layer {key.layer} rank {key.coords.rank}: payload fails its "
-                    f"crc32 checksum (corrupted store)")
+                    f"crc32 checksum (corrupted store)"
+                )
             out.append(Record(key, payload))
         return out
 
-    def tensor(self, run_id: str, output: str, iteration: int, microbatch: int = 0, layer: int | None = None,
-               phase: str = "train", dp: int = 0, invocation: int = 0) -> torch.Tensor:
+    def tensor(
+        self,
+        run_id: str,
+        output: str,
+        iteration: int,
+        microbatch: int = 0,
+        layer: int | None = None,
+        phase: str = "train",
+        dp: int = 0,
+        invocation: int = 0,
+    ) -> torch.Tensor:
         """The full tensor rebuilt from every TP/SP/EP/CP/PP shard (see reconstruct.py for the rules).
         Raises ReconstructionError on a gap, an overlap or conflicting duplicates."""
         recs = self.records(run_id, output, iteration, microbatch, layer, phase, dp, invocation)
@@ -411,8 +532,13 @@ class Store:
         return dict(out)
 
     # -- questions --------------------------------------------------------------------------
-    def expert_load(self, run_id: str | None = None, phase: str = "train", layers: Sequence[int] | None = None,
-                    iterations: Sequence[int] | None = None) -> pd.DataFrame:
+    def expert_load(
+        self,
+        run_id: str | None = None,
+        phase: str = "train",
+        layers: Sequence[int] | None = None,
+        iterations: Sequence[int] | None = None,
+    ) -> pd.DataFrame:
         """Tokens per expert per layer per iteration, before (``tokens_pre``) and after
         (``tokens_post``) capacity dropping, summed over microbatches and data-parallel ranks
         (replicated producers counted once). From the ``expert_counts`` summary table: no payloads
@@ -428,7 +554,9 @@ class Store:
             f" AND (empty({{layers:Array(Int32)}}) OR has({{layers:Array(Int32)}}, layer))"
             f" AND (empty({{its:Array(Int64)}}) OR has({{its:Array(Int64)}}, iteration))"
             f" GROUP BY iteration, microbatch, layer, dp, token_start, token_end, expert)"
-            f" GROUP BY iteration, layer, expert ORDER BY iteration, layer, expert", params)
+            f" GROUP BY iteration, layer, expert ORDER BY iteration, layer, expert",
+            params,
+        )
 
     def drop_rate(self, run_id: str | None = None, phase: str = "train", by_layer: bool = False) -> pd.DataFrame:
         """Fraction of routed token slots dropped by the capacity factor, per iteration (and layer).
@@ -441,7 +569,8 @@ class Store:
         lost = self.df(
             f"SELECT DISTINCT iteration, layer FROM {self.t('drops')} FINAL WHERE run_id = {{run:String}} "
             f"AND phase = {{phase:String}} AND output = 'router.expert_counts' AND invocation = 0",
-            {"run": run_id, "phase": phase})
+            {"run": run_id, "phase": phase},
+        )
         if load.empty and lost.empty:
             return pd.DataFrame(columns=keys + ["tokens_pre", "tokens_post", "drop_rate", "complete"])
         g = load.groupby(keys, as_index=False)[["tokens_pre", "tokens_post"]].sum()
@@ -453,8 +582,15 @@ class Store:
         g["drop_rate"] = g["drop_rate"].fillna(0.0)
         return g.sort_values(keys).reset_index(drop=True)[keys + ["tokens_pre", "tokens_post", "drop_rate", "complete"]]
 
-    def router_entropy(self, run_id: str | None = None, phase: str = "train", layers: Sequence[int] | None = None,
-                       iterations: Sequence[int] | None = None, dp: int = 0, progress: bool = False) -> pd.DataFrame:
+    def router_entropy(
+        self,
+        run_id: str | None = None,
+        phase: str = "train",
+        layers: Sequence[int] | None = None,
+        iterations: Sequence[int] | None = None,
+        dp: int = 0,
+        progress: bool = False,
+    ) -> pd.DataFrame:
         """Mean per-token entropy (nats) of the routing distribution softmax(router.logits), per
         iteration and layer (tokens of all microbatches of data-parallel rank ``dp``);
         ``entropy_normalized`` divides by log(E) (1 = uniform routing)."""
@@ -472,18 +608,28 @@ class Store:
             bar = tqdm(total=len(its), desc="router entropy", unit="it")
         rows = []
         for it in its:
-            params = {"run": run_id, "phase": phase, "it": it, "att": vis[(phase, it)], "dp": int(dp),
-                      "layers": [int(x) for x in layers or []]}
+            params = {
+                "run": run_id,
+                "phase": phase,
+                "it": it,
+                "att": vis[(phase, it)],
+                "dp": int(dp),
+                "layers": [int(x) for x in layers or []],
+            }
             table = self.sql(
                 f"SELECT {_KEY_SELECT} FROM {self.t('tensors')} FINAL WHERE run_id = {{run:String}} AND phase = {{phase:String}}"
                 f" AND output = 'router.logits' AND iteration = {{it:Int64}} AND attempt = {{att:Int32}} AND dp = {{dp:Int32}}"
-                f" AND invocation = 0 AND (empty({{layers:Array(Int32)}}) OR has({{layers:Array(Int32)}}, layer))", params)
+                f" AND invocation = 0 AND (empty({{layers:Array(Int32)}}) OR has({{layers:Array(Int32)}}, layer))",
+                params,
+            )
             groups: dict[tuple[int, int], list[Record]] = defaultdict(list)
             for r in self._to_records(table):
                 groups[(r.key.layer, r.key.microbatch)].append(r)
             per_layer: dict[int, list[float]] = defaultdict(lambda: [0.0, 0, 0])
             for (layer, mb), recs in sorted(groups.items()):
-                logits = reconstruct(recs, "router.logits", what=f"router.logits iteration {it} microbatch {mb} layer {layer}")
+                logits = reconstruct(
+                    recs, "router.logits", what=f"router.logits iteration {it} microbatch {mb} layer {layer}"
+                )
                 if logits.numel() == 0:
                     continue
                 p = torch.softmax(logits.float(), dim=-1)
@@ -494,16 +640,32 @@ class Store:
                 acc[2] = logits.shape[-1]
             for layer, (hsum, n, e) in sorted(per_layer.items()):
                 ent = hsum / n
-                rows.append({"iteration": it, "layer": layer, "entropy": ent,
-                             "entropy_normalized": ent / math.log(e) if e > 1 else 0.0, "tokens": n})
+                rows.append(
+                    {
+                        "iteration": it,
+                        "layer": layer,
+                        "entropy": ent,
+                        "entropy_normalized": ent / math.log(e) if e > 1 else 0.0,
+                        "tokens": n,
+                    }
+                )
             if bar:
                 bar.update(1)
         if bar:
             bar.close()
         return pd.DataFrame(rows, columns=["iteration", "layer", "entropy", "entropy_normalized", "tokens"])
 
-    def attention_pattern(self, run_id: str, iteration: int, microbatch: int, layer: int, head: int, batch: int = 0,
-                          phase: str = "train", dp: int = 0) -> torch.Tensor:
+    def attention_pattern(
+        self,
+        run_id: str,
+        iteration: int,
+        microbatch: int,
+        layer: int,
+        head: int,
+        batch: int = 0,
+        phase: str = "train",
+        dp: int = 0,
+    ) -> torch.Tensor:
         """[s, s] causal attention probabilities of one head, rebuilt from attn.q and attn.k
         (softmax(q k^T / sqrt(d)) with future positions masked; under GQA head h reads key group
         h // (heads / groups))."""

@@ -60,11 +60,16 @@ def _layer_stats(load, entropy) -> list[LayerStats]:
         post = [int(x) for x in g.sort_values("expert")["tokens_post"]]
         pre = int(g["tokens_pre"].sum())
         mean = sum(post) / len(post) if post else 0.0
-        out.append(LayerStats(
-            layer=int(layer), tokens_routed=pre, expert_tokens=post,
-            imbalance=max(post) / mean if mean > 0 else 0.0,
-            drop_rate=(pre - sum(post)) / pre if pre > 0 else 0.0,
-            entropy=entropy.get(int(layer))))
+        out.append(
+            LayerStats(
+                layer=int(layer),
+                tokens_routed=pre,
+                expert_tokens=post,
+                imbalance=max(post) / mean if mean > 0 else 0.0,
+                drop_rate=(pre - sum(post)) / pre if pre > 0 else 0.0,
+                entropy=entropy.get(int(layer)),
+            )
+        )
     return out
 
 
@@ -75,7 +80,9 @@ def _latest_whole_iteration(store, run_id: str) -> int | None:
     per_it = store.sql(
         f"SELECT iteration, uniqExact(microbatch, layer, dp, token_start, token_end) AS parts "
         f"FROM {store.t('expert_counts')} FINAL WHERE run_id = {{run:String}} AND phase = 'train' "
-        f"AND invocation = 0 GROUP BY iteration", {"run": run_id}).to_pylist()
+        f"AND invocation = 0 GROUP BY iteration",
+        {"run": run_id},
+    ).to_pylist()
     if not per_it:
         return None
     fullest = max(r["parts"] for r in per_it)
@@ -120,24 +127,40 @@ def render(frame: WatchFrame, interval: float | None = None):
     from rich.table import Table
     from rich.text import Text
 
-    head = Text.assemble(("DMI watch ", "bold"), frame.store, f"   {frame.taken_at}",
-                         f" (every {interval:g} s)" if interval else "")
+    head = Text.assemble(
+        ("DMI watch ", "bold"), frame.store, f"   {frame.taken_at}", f" (every {interval:g} s)" if interval else ""
+    )
     if frame.run_id is None:
         return Group(head, Text("no runs yet"))
-    span = (f"iterations {frame.first_iteration}..{frame.last_iteration}" if frame.first_iteration is not None
-            else "no iterations yet")
+    span = (
+        f"iterations {frame.first_iteration}..{frame.last_iteration}"
+        if frame.first_iteration is not None
+        else "no iterations yet"
+    )
     facts = Text.assemble(
-        ("run ", "dim"), frame.run_id, ("  attempt ", "dim"), str(frame.attempt), "   ", span,
-        ("\nrecords ", "dim"), f"{frame.records} ({_fmt_bytes(frame.bytes)})",
+        ("run ", "dim"),
+        frame.run_id,
+        ("  attempt ", "dim"),
+        str(frame.attempt),
+        "   ",
+        span,
+        ("\nrecords ", "dim"),
+        f"{frame.records} ({_fmt_bytes(frame.bytes)})",
         ("   dropped before persistence ", "dim"),
         (str(frame.dropped_records), "bold red" if frame.dropped_records else ""),
-        ("\nstore lag ", "dim"), f"{frame.store_lag_records} record(s) in {frame.store_lag_segments} spool segment(s)"
-        " not loaded yet (shown here already)")
+        ("\nstore lag ", "dim"),
+        f"{frame.store_lag_records} record(s) in {frame.store_lag_segments} spool segment(s)"
+        " not loaded yet (shown here already)",
+    )
     if not frame.layers:
         return Group(head, facts, Text("no router.expert_counts captured yet"))
     experts = max(len(ls.expert_tokens) for ls in frame.layers)
-    table = Table(title=f"iteration {frame.load_iteration}: tokens per expert after capacity dropping",
-                  title_justify="left", box=None, pad_edge=False)
+    table = Table(
+        title=f"iteration {frame.load_iteration}: tokens per expert after capacity dropping",
+        title_justify="left",
+        box=None,
+        pad_edge=False,
+    )
     table.add_column("layer", justify="right")
     table.add_column("routed", justify="right")
     table.add_column(f"experts 0..{experts - 1}")
@@ -145,11 +168,19 @@ def render(frame: WatchFrame, interval: float | None = None):
     table.add_column("dropped", justify="right")
     table.add_column("entropy", justify="right")
     for ls in frame.layers:
-        load = (" ".join(f"{v:>4}" for v in ls.expert_tokens) if experts <= MAX_EXPERTS_AS_NUMBERS
-                else f"{_bars(ls.expert_tokens)} {min(ls.expert_tokens)}..{max(ls.expert_tokens)}")
-        table.add_row(str(ls.layer), str(ls.tokens_routed), load, f"{ls.imbalance:.2f}",
-                      Text(f"{ls.drop_rate:.1%}", style="red" if ls.drop_rate > 0 else ""),
-                      "-" if ls.entropy is None else f"{ls.entropy:.3f}")
+        load = (
+            " ".join(f"{v:>4}" for v in ls.expert_tokens)
+            if experts <= MAX_EXPERTS_AS_NUMBERS
+            else f"{_bars(ls.expert_tokens)} {min(ls.expert_tokens)}..{max(ls.expert_tokens)}"
+        )
+        table.add_row(
+            str(ls.layer),
+            str(ls.tokens_routed),
+            load,
+            f"{ls.imbalance:.2f}",
+            Text(f"{ls.drop_rate:.1%}", style="red" if ls.drop_rate > 0 else ""),
+            "-" if ls.entropy is None else f"{ls.entropy:.3f}",
+        )
     return Group(head, facts, table)
 
 
@@ -190,8 +221,11 @@ def _setup_watch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=float, default=3.0, help="seconds between refreshes (default: 3)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--json", action="store_true", help="with --once: the frame's numbers as one JSON object")
-    p.add_argument("--no-entropy", action="store_true",
-                   help="skip the router entropy (it decodes router.logits, which needs torch)")
+    p.add_argument(
+        "--no-entropy",
+        action="store_true",
+        help="skip the router entropy (it decodes router.logits, which needs torch)",
+    )
     p.set_defaults(func=cmd_watch)
 
 

@@ -29,8 +29,18 @@ STORE_SPOOL = "spool"
 # Public name -> its submodule, imported on first use: a reader needs the backend and schema
 # without the training-side sinks (and their imports).
 _EXPORTS = {
-    "backend": ["PASSWORD_ENV", "PASSWORD_FILE_ENV", "BackendError", "ChdbBackend", "ServerBackend", "ServerURLError",
-                "StoreBusyError", "open_backend", "parse_server_url", "resolve_password"],
+    "backend": [
+        "PASSWORD_ENV",
+        "PASSWORD_FILE_ENV",
+        "BackendError",
+        "ChdbBackend",
+        "ServerBackend",
+        "ServerURLError",
+        "StoreBusyError",
+        "open_backend",
+        "parse_server_url",
+        "resolve_password",
+    ],
     "base": ["Sink", "SinkReport"],
     "ingest": ["IngestResult", "IngesterThread", "ingest_spool", "load_table"],
     "meta": ["DMISinkReport", "RunInfo"],
@@ -66,8 +76,14 @@ def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingeste
     if config.persist != "clickhouse":
         raise ValueError(f"unknown --dmi-persist {config.persist!r} (expected clickhouse, spool or none)")
     if config.clickhouse_url:
-        return ServerSink(config.clickhouse_url, run_id, coords, spool_root, database=config.clickhouse_database,
-                          password=resolve_password(config.clickhouse_password))
+        return ServerSink(
+            config.clickhouse_url,
+            run_id,
+            coords,
+            spool_root,
+            database=config.clickhouse_database,
+            password=resolve_password(config.clickhouse_password),
+        )
     return EmbeddedSink(store_dir, run_id, coords, is_ingester, database=config.clickhouse_database)
 
 

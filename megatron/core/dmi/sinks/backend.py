@@ -81,10 +81,14 @@ class Backend(ABC):
     def ensure_schema(self) -> None:
         """Create missing tables; refuse a store of another schema version."""
         db = S.check_identifier(self.database, "database name")
-        exists = self.query_arrow(
-            "SELECT count() AS n FROM system.tables WHERE database = {db:String} AND name = 'schema_version'",
-            {"db": db},
-        ).column("n")[0].as_py()
+        exists = (
+            self.query_arrow(
+                "SELECT count() AS n FROM system.tables WHERE database = {db:String} AND name = 'schema_version'",
+                {"db": db},
+            )
+            .column("n")[0]
+            .as_py()
+        )
         if exists:
             self._check_version()
         for stmt in S.ddl(db):
@@ -94,7 +98,11 @@ class Backend(ABC):
         self._check_version()
 
     def _check_version(self) -> None:
-        got = self.query_arrow(f"SELECT DISTINCT version FROM {self.database}.schema_version").column("version").to_pylist()
+        got = (
+            self.query_arrow(f"SELECT DISTINCT version FROM {self.database}.schema_version")
+            .column("version")
+            .to_pylist()
+        )
         bad = [v for v in got if v != S.SCHEMA_VERSION]
         if bad:
             raise S.version_mismatch(int(bad[0]), self.description)
@@ -103,6 +111,7 @@ class Backend(ABC):
 # ------------------------------------------------------------------------------------------------
 # Embedded chDB
 # ------------------------------------------------------------------------------------------------
+
 
 def _esc(v: str) -> str:
     return v.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
@@ -279,7 +288,9 @@ def resolve_password(explicit: str | None = None, password_file: str | None = No
 
 # The value of an Authorization header however it is echoed back: raw (``Authorization: Basic x``),
 # as a dict or JSON (``'authorization': 'Basic x'``), or as a query/form pair (``authorization=x``).
-_AUTH_VALUE = re.compile(r"(?i)(\b(?:proxy-)?authorization['\"]?\s*[:=]\s*['\"]?(?:(?:basic|bearer|digest)\s+)?)[^\s'\",;}&]+")
+_AUTH_VALUE = re.compile(
+    r"(?i)(\b(?:proxy-)?authorization['\"]?\s*[:=]\s*['\"]?(?:(?:basic|bearer|digest)\s+)?)[^\s'\",;}&]+"
+)
 # Everything between a scheme's // and the next @: a URL's user name and password, whatever they hold.
 _URL_USERINFO = re.compile(r"//[^\s@]*@")
 # The body of an HTTP error that did not come from ClickHouse (no exception code): a proxy's page,
@@ -312,8 +323,14 @@ def redact(text: str, secret: str | None, username: str | None = None) -> str:
 
 
 class ServerBackend(Backend):
-    def __init__(self, url: str, database: str = S.DEFAULT_DATABASE, password: str | None = None,
-                 connect_timeout: float = 3.0, send_receive_timeout: float = 60.0):
+    def __init__(
+        self,
+        url: str,
+        database: str = S.DEFAULT_DATABASE,
+        password: str | None = None,
+        connect_timeout: float = 3.0,
+        send_receive_timeout: float = 60.0,
+    ):
         self.database = S.check_database(database)
         self._kw = parse_server_url(url)
         self.description = f"at {self._kw['host']}:{self._kw['port']}"
@@ -329,7 +346,9 @@ class ServerBackend(Backend):
 
             try:
                 self._client = clickhouse_connect.get_client(
-                    **self._kw, password=self._password, connect_timeout=self._connect_timeout,
+                    **self._kw,
+                    password=self._password,
+                    connect_timeout=self._connect_timeout,
                     send_receive_timeout=self._send_receive_timeout,
                     settings={"output_format_arrow_string_as_string": 0},
                 )

@@ -14,8 +14,9 @@ if TYPE_CHECKING:
     from megatron.core.dmi.reader.store import Store
 
 
-def export_spool(store: Store, out_dir: str, run_id: str | None = None, max_segment_bytes: int = 256 << 20,
-                 progress: bool = False) -> int:
+def export_spool(
+    store: Store, out_dir: str, run_id: str | None = None, max_segment_bytes: int = 256 << 20, progress: bool = False
+) -> int:
     """Write a store's rows back out as spool segments under ``out_dir`` (``rank-*`` folders),
     e.g. to merge node-local stores into one: export each, then ``load`` them all into one store.
     Returns the number of tensor records exported."""
@@ -32,8 +33,11 @@ def export_spool(store: Store, out_dir: str, run_id: str | None = None, max_segm
         t = store.sql(f"SELECT {', '.join(schema.names)} FROM {store.t(kind)} FINAL {where}", params)
         if t.num_rows:
             writer(int(min(t.column("rank").to_pylist()))).write(kind, t.cast(schema))
-    sizes = store.sql(f"SELECT rank, iteration, sum(nbytes) AS b FROM {store.t('tensors')} FINAL {where} "
-                     f"GROUP BY rank, iteration ORDER BY rank, iteration", params).to_pylist()
+    sizes = store.sql(
+        f"SELECT rank, iteration, sum(nbytes) AS b FROM {store.t('tensors')} FINAL {where} "
+        f"GROUP BY rank, iteration ORDER BY rank, iteration",
+        params,
+    ).to_pylist()
     chunks: list[tuple[int, list[int]]] = []
     acc = 0
     for row in sizes:
@@ -48,10 +52,14 @@ def export_spool(store: Store, out_dir: str, run_id: str | None = None, max_segm
 
         bar = tqdm(total=len(chunks), desc="export", unit="segment")
     n = 0
-    cond = "rank = {rank:Int32} AND has({its:Array(Int64)}, iteration)" + (" AND run_id = {run:String}" if run_id else "")
+    cond = "rank = {rank:Int32} AND has({its:Array(Int64)}, iteration)" + (
+        " AND run_id = {run:String}" if run_id else ""
+    )
     for rank, its in chunks:
-        t = store.sql(f"SELECT {', '.join(TENSOR_SCHEMA.names)} FROM {store.t('tensors')} FINAL WHERE {cond}",
-                     dict(params, rank=rank, its=its))
+        t = store.sql(
+            f"SELECT {', '.join(TENSOR_SCHEMA.names)} FROM {store.t('tensors')} FINAL WHERE {cond}",
+            dict(params, rank=rank, its=its),
+        )
         writer(rank).write("tensors", t.cast(TENSOR_SCHEMA))
         n += t.num_rows
         if bar:

@@ -42,15 +42,31 @@ def derive_expert_counts(tensors: pa.Table) -> pa.Table:
     sub = tensors.filter(mask)
     cols: dict[str, list] = {n: [] for n in S.EXPERT_COUNTS_SCHEMA.names}
     if sub.num_rows:
-        keep = ["run_id", "phase", "iteration", "attempt", "microbatch", "invocation", "layer", "rank", "dp",
-                "token_start", "token_end", "token_total"]
+        keep = [
+            "run_id",
+            "phase",
+            "iteration",
+            "attempt",
+            "microbatch",
+            "invocation",
+            "layer",
+            "rank",
+            "dp",
+            "token_start",
+            "token_end",
+            "token_total",
+        ]
         rows = sub.select(keep + ["dtype", "shape", "payload"]).to_pylist()
         for row in rows:
             shape = row["shape"]
             if row["dtype"] not in ("int32", "int64") or len(shape) != 2 or shape[0] != 2:
-                log.warning("DMI: skipping malformed router.expert_counts record (dtype %s, shape %s)", row["dtype"], shape)
+                log.warning(
+                    "DMI: skipping malformed router.expert_counts record (dtype %s, shape %s)", row["dtype"], shape
+                )
                 continue
-            counts = np.frombuffer(row["payload"], dtype=np.int32 if row["dtype"] == "int32" else np.int64).reshape(2, -1)
+            counts = np.frombuffer(row["payload"], dtype=np.int32 if row["dtype"] == "int32" else np.int64).reshape(
+                2, -1
+            )
             n = counts.shape[1]
             for k in keep:
                 cols[k].extend([row[k]] * n)
@@ -139,8 +155,17 @@ class IngestResult:
     errors: list[str] = field(default_factory=list)
 
     def add(self, other: IngestResult) -> None:
-        for name in ("segments_loaded", "segments_skipped", "segments_corrupt", "segments_partial",
-                     "segments_unverified", "records_quarantined", "rows", "records", "payload_bytes"):
+        for name in (
+            "segments_loaded",
+            "segments_skipped",
+            "segments_corrupt",
+            "segments_partial",
+            "segments_unverified",
+            "records_quarantined",
+            "rows",
+            "records",
+            "payload_bytes",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.paused = other.paused
         self.missing_segments |= other.missing_segments
@@ -207,8 +232,10 @@ def ingest_spool(
     def too_full() -> bool:
         free = backend.free_bytes()
         if free is not None and free < min_free:
-            res.paused = (f"ingest paused: the store's file system has {free / 2**20:.1f} MiB free, below the "
-                          f"{min_free / 2**20:.0f} MiB margin (${MIN_FREE_ENV}); segments wait in the spool")
+            res.paused = (
+                f"ingest paused: the store's file system has {free / 2**20:.1f} MiB free, below the "
+                f"{min_free / 2**20:.0f} MiB margin (${MIN_FREE_ENV}); segments wait in the spool"
+            )
         return bool(res.paused)
 
     if too_full():  # not even worth reading the segments
@@ -250,16 +277,28 @@ def ingest_spool(
                 _count_verified(res, p.table, p.seg.rank)
             if lost or derived_missing:
                 res.segments_unverified += 1
-                what = (f"{lost} of {n} row(s)" if lost else
-                        f"{derived_missing} derived row(s) of its batch (its own {n} are in)")
-                res.note(f"{p.seg.path}: {what} not found in the store after the insert; the segment stays in "
-                         f"the spool and is retried")
+                what = (
+                    f"{lost} of {n} row(s)"
+                    if lost
+                    else f"{derived_missing} derived row(s) of its batch (its own {n} are in)"
+                )
+                res.note(
+                    f"{p.seg.path}: {what} not found in the store after the insert; the segment stays in "
+                    f"the spool and is retried"
+                )
                 continue
             done.append(p)
-            for k, v in (("segment_id", p.sid), ("path", os.path.relpath(p.seg.path, spool_root)), ("kind", kind),
-                         ("rank", p.seg.rank), ("rows", n), ("bytes", p.seg.size),
-                         ("status", "partial" if p.problems else "ok"), ("error", p.problems[:2000]),
-                         ("ingested_at", now)):
+            for k, v in (
+                ("segment_id", p.sid),
+                ("path", os.path.relpath(p.seg.path, spool_root)),
+                ("kind", kind),
+                ("rank", p.seg.rank),
+                ("rows", n),
+                ("bytes", p.seg.size),
+                ("status", "partial" if p.problems else "ok"),
+                ("error", p.problems[:2000]),
+                ("ingested_at", now),
+            ):
                 rows[k].append(v)
         if done:
             backend.insert_arrow("segments", pa.Table.from_pydict(rows, schema=S.SEGMENTS_SCHEMA))
@@ -328,8 +367,9 @@ def ingest_spool(
 def _count_verified(res: IngestResult, table: pa.Table, rank: int) -> None:
     """Credit a verified segment's records to the rank whose folder it came from (its writer)."""
     by = table.group_by(["run_id", "attempt"]).aggregate([("nbytes", "sum"), ("nbytes", "count")])
-    for run, attempt, nbytes, n in zip(*(by.column(c).to_pylist() for c in
-                                         ("run_id", "attempt", "nbytes_sum", "nbytes_count"))):
+    for run, attempt, nbytes, n in zip(
+        *(by.column(c).to_pylist() for c in ("run_id", "attempt", "nbytes_sum", "nbytes_count"))
+    ):
         mine = res.verified.setdefault((run, attempt, rank), [0, 0])
         mine[0] += n
         mine[1] += nbytes or 0
@@ -353,28 +393,55 @@ def _check_numbering(backend: Backend, numbering: dict, on_disk: set[tuple[int, 
     A missing last segment cannot be told apart from one never written."""
     for writer, (first, rank, seen) in numbering.items():
         have = set(seen) | {seq for r, seq in on_disk if r == rank}
-        t = backend.query_arrow(f"SELECT segment_id FROM {backend.t('segments')} WHERE startsWith(segment_id, {{w:String}})",
-                                {"w": writer + "-"})
+        t = backend.query_arrow(
+            f"SELECT segment_id FROM {backend.t('segments')} WHERE startsWith(segment_id, {{w:String}})",
+            {"w": writer + "-"},
+        )
         have.update(n for _, n in filter(None, map(raw_segment.writer_of, t.column("segment_id").to_pylist())))
         gone = sorted(set(range(first, max(have) + 1)) - have)
         if gone:
             names = {f"rank-{rank:05d}/{n:08d}.dmiraw" for n in gone}
             res.missing_segments |= names
-            res.note(f"spool segment(s) {', '.join(sorted(names))} of writer {writer} are missing: deleted "
-                     f"before they were loaded? Their records are lost")
+            res.note(
+                f"spool segment(s) {', '.join(sorted(names))} of writer {writer} are missing: deleted "
+                f"before they were loaded? Their records are lost"
+            )
 
 
 def _record_quarantine(backend: Backend, seg: Segment, sid: str, spool_root: str, v: VerifiedSegment) -> None:
     now = _now()
-    rows = [{"segment_id": sid, "path": os.path.relpath(seg.path, spool_root), "rank": seg.rank, "row": q.row,
-             "run_id": str(q.key.get("run_id", "")), "phase": str(q.key.get("phase", "")),
-             "iteration": int(q.key.get("iteration", -1)), "attempt": int(q.key.get("attempt", -1)),
-             "key_json": json.dumps(q.key, sort_keys=True, default=str), "reason": q.reason, "quarantined_at": now}
-            for q in v.quarantined]
+    rows = [
+        {
+            "segment_id": sid,
+            "path": os.path.relpath(seg.path, spool_root),
+            "rank": seg.rank,
+            "row": q.row,
+            "run_id": str(q.key.get("run_id", "")),
+            "phase": str(q.key.get("phase", "")),
+            "iteration": int(q.key.get("iteration", -1)),
+            "attempt": int(q.key.get("attempt", -1)),
+            "key_json": json.dumps(q.key, sort_keys=True, default=str),
+            "reason": q.reason,
+            "quarantined_at": now,
+        }
+        for q in v.quarantined
+    ]
     if not v.quarantined:
-        rows = [{"segment_id": sid, "path": os.path.relpath(seg.path, spool_root), "rank": seg.rank, "row": -1,
-                 "run_id": "", "phase": "", "iteration": -1, "attempt": -1, "key_json": "{}",
-                 "reason": "; ".join(v.problems), "quarantined_at": now}]
+        rows = [
+            {
+                "segment_id": sid,
+                "path": os.path.relpath(seg.path, spool_root),
+                "rank": seg.rank,
+                "row": -1,
+                "run_id": "",
+                "phase": "",
+                "iteration": -1,
+                "attempt": -1,
+                "key_json": "{}",
+                "reason": "; ".join(v.problems),
+                "quarantined_at": now,
+            }
+        ]
     try:
         backend.insert_arrow("quarantine", pa.Table.from_pylist(rows, schema=S.QUARANTINE_SCHEMA))
     except Exception as e:  # bookkeeping only: the error is in the result already
@@ -383,9 +450,17 @@ def _record_quarantine(backend: Backend, seg: Segment, sid: str, spool_root: str
 
 def _record_corrupt(backend: Backend, seg: Segment, spool_root: str, msg: str, sid: str | None = None) -> None:
     sid = sid or "corrupt:" + hashlib.sha1(f"{os.path.abspath(seg.path)}:{seg.size}".encode()).hexdigest()
-    row = {"segment_id": [sid], "path": [os.path.relpath(seg.path, spool_root)], "kind": [seg.kind],
-           "rank": [seg.rank], "rows": [0], "bytes": [seg.size], "status": ["corrupt"], "error": [msg[:2000]],
-           "ingested_at": [_now()]}
+    row = {
+        "segment_id": [sid],
+        "path": [os.path.relpath(seg.path, spool_root)],
+        "kind": [seg.kind],
+        "rank": [seg.rank],
+        "rows": [0],
+        "bytes": [seg.size],
+        "status": ["corrupt"],
+        "error": [msg[:2000]],
+        "ingested_at": [_now()],
+    }
     try:
         backend.insert_arrow("segments", pa.Table.from_pydict(row, schema=S.SEGMENTS_SCHEMA))
     except Exception as e:  # bookkeeping only
@@ -400,8 +475,9 @@ class IngesterThread:
     system), this one stands down: that owner ingests every rank folder, including ours.
     """
 
-    def __init__(self, store_dir: str, database: str = S.DEFAULT_DATABASE, poll_s: float = 2.0,
-                 max_batch_bytes: int = 256 << 20):
+    def __init__(
+        self, store_dir: str, database: str = S.DEFAULT_DATABASE, poll_s: float = 2.0, max_batch_bytes: int = 256 << 20
+    ):
         self.store_dir = store_dir
         self.spool_root = os.path.join(store_dir, "spool")
         self.database = database
@@ -468,8 +544,14 @@ class IngesterThread:
                 return IngestResult()
             if self._known is None:
                 self._known = known_segment_ids(self.backend)
-            r = ingest_spool(self.backend, self.spool_root, delete=True, known=self._known, credited=self.credited,
-                             max_batch_bytes=self.max_batch_bytes)
+            r = ingest_spool(
+                self.backend,
+                self.spool_root,
+                delete=True,
+                known=self._known,
+                credited=self.credited,
+                max_batch_bytes=self.max_batch_bytes,
+            )
             self.result.add(r)
             if r.paused and not self._paused:  # loud once per episode; the report carries it too
                 warnings.warn(f"DMI: {r.paused}", RuntimeWarning, stacklevel=2)

@@ -38,8 +38,10 @@ class DMISinkReport(SinkReport):
     drops_recorded: int = 0  # keys of records lost upstream (ring full) written to the drops table
 
     def summary(self) -> str:
-        s = (f"written {self.records_written} ({self.bytes_written / 2**20:.1f} MiB), "
-             f"spooled {self.records_spooled}, dropped {self.records_dropped}")
+        s = (
+            f"written {self.records_written} ({self.bytes_written / 2**20:.1f} MiB), "
+            f"spooled {self.records_spooled}, dropped {self.records_dropped}"
+        )
         if self.records_discarded:
             s += f", discarded {self.records_discarded}"
         if self.records_replayed:
@@ -82,8 +84,10 @@ def scrub_secrets(obj: Any) -> Any:
     """Copy of ``obj`` with every value under a password-like key replaced (the runs table must
     never hold credentials, e.g. DMIConfig.clickhouse_password)."""
     if isinstance(obj, dict):
-        return {k: ("***" if v and any(s in str(k).lower() for s in _SECRET_KEYS) else scrub_secrets(v))
-                for k, v in obj.items()}
+        return {
+            k: ("***" if v and any(s in str(k).lower() for s in _SECRET_KEYS) else scrub_secrets(v))
+            for k, v in obj.items()
+        }
     if isinstance(obj, (list, tuple)):
         return [scrub_secrets(v) for v in obj]
     return obj
@@ -94,19 +98,36 @@ def _json(obj: Any) -> str:
 
 
 def runs_table(info: RunInfo) -> pa.Table:
-    return pa.Table.from_pylist([{
-        "run_id": info.run_id, "attempt": int(info.attempt),
-        "resumed_from_iteration": -1 if info.resumed_from_iteration is None else int(info.resumed_from_iteration),
-        "started_at": info.started_at, "rank": int(info.coords.rank), "world_size": int(info.world_size),
-        "hostname": info.hostname, "config_json": _json(scrub_secrets(info.config)), "versions_json": _json(info.versions),
-        "model_json": _json(info.model), "layout_json": _json(info.layout),
-        "command_line": scrub_command_line(info.command_line),
-    }], schema=S.RUNS_SCHEMA)
+    return pa.Table.from_pylist(
+        [
+            {
+                "run_id": info.run_id,
+                "attempt": int(info.attempt),
+                "resumed_from_iteration": -1
+                if info.resumed_from_iteration is None
+                else int(info.resumed_from_iteration),
+                "started_at": info.started_at,
+                "rank": int(info.coords.rank),
+                "world_size": int(info.world_size),
+                "hostname": info.hostname,
+                "config_json": _json(scrub_secrets(info.config)),
+                "versions_json": _json(info.versions),
+                "model_json": _json(info.model),
+                "layout_json": _json(info.layout),
+                "command_line": scrub_command_line(info.command_line),
+            }
+        ],
+        schema=S.RUNS_SCHEMA,
+    )
 
 
 def topology_table(info: RunInfo) -> pa.Table:
-    row = {"run_id": info.run_id, "attempt": int(info.attempt), "layers": [int(x) for x in info.layers],
-           "hostname": info.hostname}
+    row = {
+        "run_id": info.run_id,
+        "attempt": int(info.attempt),
+        "layers": [int(x) for x in info.layers],
+        "hostname": info.hostname,
+    }
     row.update({k: int(v) for k, v in dataclasses.asdict(info.coords).items()})
     return pa.Table.from_pylist([row], schema=S.TOPOLOGY_SCHEMA)
 
@@ -122,10 +143,22 @@ def drops_table(items: Sequence[tuple[RecordKey, str, datetime]]) -> pa.Table:
 
 
 def report_table(run_id: str, attempt: int, rank: int, report: DMISinkReport) -> pa.Table:
-    return pa.Table.from_pylist([{
-        "run_id": run_id, "attempt": int(attempt), "rank": int(rank), "sink": report.sink,
-        "records_written": report.records_written, "bytes_written": report.bytes_written,
-        "records_spooled": report.records_spooled, "bytes_spooled": report.bytes_spooled,
-        "records_dropped": report.records_dropped, "bytes_dropped": report.bytes_dropped,
-        "errors": [e[:2000] for e in report.errors[:100]], "closed_at": datetime.now(UTC),
-    }], schema=S.REPORTS_SCHEMA)
+    return pa.Table.from_pylist(
+        [
+            {
+                "run_id": run_id,
+                "attempt": int(attempt),
+                "rank": int(rank),
+                "sink": report.sink,
+                "records_written": report.records_written,
+                "bytes_written": report.bytes_written,
+                "records_spooled": report.records_spooled,
+                "bytes_spooled": report.bytes_spooled,
+                "records_dropped": report.records_dropped,
+                "bytes_dropped": report.bytes_dropped,
+                "errors": [e[:2000] for e in report.errors[:100]],
+                "closed_at": datetime.now(UTC),
+            }
+        ],
+        schema=S.REPORTS_SCHEMA,
+    )

@@ -43,10 +43,15 @@ def claim_rank_dir(folder: str, run_id: str) -> None:
             store = os.path.dirname(os.path.dirname(folder))
             raise StoreInUseError(
                 f"error: --dmi-store-dir {store} is in use by another DMI run ({holder}); two runs cannot share "
-                f"a store directory: give this run its own --dmi-store-dir, or wait for that run to end") from None
+                f"a store directory: give this run its own --dmi-store-dir, or wait for that run to end"
+            ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, run {run_id or '?'}, since "
-                      f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)
+        os.pwrite(
+            fd,
+            f"pid {os.getpid()} on {socket.gethostname()}, run {run_id or '?'}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(),
+            0,
+        )
         _owned[folder] = [fd, 1]
 
 

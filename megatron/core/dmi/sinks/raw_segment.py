@@ -55,7 +55,11 @@ class VerifiedSegment:
         records = [q for q in self.quarantined if q.row >= 0]
         parts = list(self.problems)
         if records:
-            parts.append(f"{len(records)} record(s) quarantined ({records[0].reason}" + (", ..." if len(records) > 1 else "") + ")")
+            parts.append(
+                f"{len(records)} record(s) quarantined ({records[0].reason}"
+                + (", ..." if len(records) > 1 else "")
+                + ")"
+            )
         return f"{path}: " + "; ".join(parts) + f"; {self.table.num_rows} verified record(s) kept"
 
 
@@ -99,7 +103,8 @@ def read_header(path: str) -> tuple[dict, int]:
             if magic == OLD_RAW_MAGIC:
                 raise CorruptSegmentError(
                     f"{path}: raw segment of format 1 (written before megatron-dmi checksummed keys); this "
-                    f"release reads format 2 only: load it with the release that wrote it")
+                    f"release reads format 2 only: load it with the release that wrote it"
+                )
             if magic != RAW_MAGIC:
                 raise CorruptSegmentError(f"{path}: not a DMI raw segment (bad magic)")
             if n > 1 << 24:
@@ -140,8 +145,9 @@ def _row_key(sites: dict, row: np.ndarray) -> dict:
     return key
 
 
-def _records_block(sites: dict, rows: np.ndarray, data: pa.Buffer, first_row: int,
-                   quarantined: list[Quarantined]) -> pa.Table | None:
+def _records_block(
+    sites: dict, rows: np.ndarray, data: pa.Buffer, first_row: int, quarantined: list[Quarantined]
+) -> pa.Table | None:
     """The verified records of one records block; the others go to ``quarantined``."""
     nbytes = rows[:, DESCRIPTOR_COLUMNS.index("nbytes")]
     ends = np.cumsum(nbytes)
@@ -149,9 +155,15 @@ def _records_block(sites: dict, rows: np.ndarray, data: pa.Buffer, first_row: in
     mem = memoryview(data)
     for i, row in enumerate(rows):
         site, phase, crc = (int(row[DESCRIPTOR_COLUMNS.index(c)]) for c in ("site", "phase", "crc32"))
-        why = ("site undefined in this segment" if site not in sites else
-               f"phase word {phase} out of range" if phase >= len(PHASES) else
-               "payload CRC mismatch" if zlib.crc32(mem[int(ends[i] - nbytes[i]) : int(ends[i])]) != crc else None)
+        why = (
+            "site undefined in this segment"
+            if site not in sites
+            else f"phase word {phase} out of range"
+            if phase >= len(PHASES)
+            else "payload CRC mismatch"
+            if zlib.crc32(mem[int(ends[i] - nbytes[i]) : int(ends[i])]) != crc
+            else None
+        )
         if why:
             good[i] = False
             quarantined.append(Quarantined(first_row + i, why, _row_key(sites, row)))
@@ -170,8 +182,10 @@ def verify(path: str) -> tuple[dict, VerifiedSegment]:
     rest are quarantined. Raises CorruptSegmentError only when the header itself is bad."""
     header, pos = read_header(path)
     if header.get("schema_version") != S.SCHEMA_VERSION:
-        raise CorruptSegmentError(f"{path}: raw segment of schema version {header.get('schema_version')}, "
-                                  f"this megatron-dmi loads version {S.SCHEMA_VERSION}")
+        raise CorruptSegmentError(
+            f"{path}: raw segment of schema version {header.get('schema_version')}, "
+            f"this megatron-dmi loads version {S.SCHEMA_VERSION}"
+        )
     buf = pa.memory_map(path).read_buffer()
     words = len(DESCRIPTOR_COLUMNS)
     sites: dict[int, RecordKey] = {}
@@ -229,8 +243,10 @@ def verify(path: str) -> tuple[dict, VerifiedSegment]:
     elif footer is not None:
         chain = zlib.crc32(np.array(crcs[:-1], dtype=np.uint64).tobytes())
         if footer != (rows_seen, payload_seen, len(crcs) - 1, chain):
-            problems.append(f"footer counts {footer[0]} record(s) in {footer[2]} block(s), the segment holds "
-                            f"{rows_seen} in {len(crcs) - 1}: blocks are missing")
+            problems.append(
+                f"footer counts {footer[0]} record(s) in {footer[2]} block(s), the segment holds "
+                f"{rows_seen} in {len(crcs) - 1}: blocks are missing"
+            )
         if pos != buf.size:
             problems.append(f"{buf.size - pos} byte(s) after the footer")
     table = pa.concat_tables(tables) if tables else S.KIND_SCHEMAS["tensors"].empty_table()

@@ -35,7 +35,9 @@ def check_identifier(name: str, what: str = "identifier") -> str:
     """Accept only ``[A-Za-z_][A-Za-z0-9_]{0,62}``: identifiers are spliced into SQL text, so
     nothing else (quotes, dots, spaces, backticks, unicode look-alikes) may pass."""
     if not isinstance(name, str) or not _IDENT_RE.fullmatch(name):
-        raise IdentifierError(f"invalid {what} {name!r}: use letters, digits and '_' (not starting with a digit), at most 63 characters")
+        raise IdentifierError(
+            f"invalid {what} {name!r}: use letters, digits and '_' (not starting with a digit), at most 63 characters"
+        )
     return name
 
 
@@ -61,82 +63,106 @@ def qualified(database: str, table: str) -> str:
 
 _TS = pa.timestamp("ms", tz="UTC")
 
-RUNS_SCHEMA = pa.schema([
-    ("run_id", pa.string()),
-    ("attempt", pa.int32()),
-    ("resumed_from_iteration", pa.int64()),  # -1: a fresh start
-    ("started_at", _TS),
-    ("rank", pa.int32()),  # the rank that wrote this row (every rank writes one; they collapse)
-    ("world_size", pa.int32()),
-    ("hostname", pa.string()),
-    ("config_json", pa.string()),  # the DMI config (secrets scrubbed)
-    ("versions_json", pa.string()),
-    ("model_json", pa.string()),  # the model configuration captured outputs depend on (provenance.model_summary)
-    ("layout_json", pa.string()),  # parallel group sizes (provenance.parallel_layout)
-    ("command_line", pa.list_(pa.string())),  # the launching argv, secrets scrubbed
-])
+RUNS_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("attempt", pa.int32()),
+        ("resumed_from_iteration", pa.int64()),  # -1: a fresh start
+        ("started_at", _TS),
+        ("rank", pa.int32()),  # the rank that wrote this row (every rank writes one; they collapse)
+        ("world_size", pa.int32()),
+        ("hostname", pa.string()),
+        ("config_json", pa.string()),  # the DMI config (secrets scrubbed)
+        ("versions_json", pa.string()),
+        ("model_json", pa.string()),  # the model configuration captured outputs depend on (provenance.model_summary)
+        ("layout_json", pa.string()),  # parallel group sizes (provenance.parallel_layout)
+        ("command_line", pa.list_(pa.string())),  # the launching argv, secrets scrubbed
+    ]
+)
 
-TOPOLOGY_SCHEMA = pa.schema([
-    ("run_id", pa.string()),
-    ("attempt", pa.int32()),
-    *COORD_COLUMNS,
-    ("layers", pa.list_(pa.int32())),
-    ("hostname", pa.string()),
-])
+TOPOLOGY_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("attempt", pa.int32()),
+        *COORD_COLUMNS,
+        ("layers", pa.list_(pa.int32())),
+        ("hostname", pa.string()),
+    ]
+)
 
 DROPS_SCHEMA = pa.schema(KEY_COLUMNS + [("reason", pa.string()), ("dropped_at", _TS)])
 
-REPORTS_SCHEMA = pa.schema([
-    ("run_id", pa.string()),
-    ("attempt", pa.int32()),
-    ("rank", pa.int32()),
-    ("sink", pa.string()),
-    ("records_written", pa.int64()),
-    ("bytes_written", pa.int64()),
-    ("records_spooled", pa.int64()),
-    ("bytes_spooled", pa.int64()),
-    ("records_dropped", pa.int64()),
-    ("bytes_dropped", pa.int64()),
-    ("errors", pa.list_(pa.string())),
-    ("closed_at", _TS),
-])
+REPORTS_SCHEMA = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("attempt", pa.int32()),
+        ("rank", pa.int32()),
+        ("sink", pa.string()),
+        ("records_written", pa.int64()),
+        ("bytes_written", pa.int64()),
+        ("records_spooled", pa.int64()),
+        ("bytes_spooled", pa.int64()),
+        ("records_dropped", pa.int64()),
+        ("bytes_dropped", pa.int64()),
+        ("errors", pa.list_(pa.string())),
+        ("closed_at", _TS),
+    ]
+)
 
-_EXPERT_COUNT_KEYS = ("run_id", "phase", "iteration", "attempt", "microbatch", "invocation", "layer", "rank", "dp",
-                      "token_start", "token_end", "token_total")
-EXPERT_COUNTS_SCHEMA = pa.schema([
-    *(c for c in KEY_COLUMNS if c[0] in _EXPERT_COUNT_KEYS),
-    ("expert", pa.int32()),
-    ("tokens_pre", pa.int64()),
-    ("tokens_post", pa.int64()),
-])
+_EXPERT_COUNT_KEYS = (
+    "run_id",
+    "phase",
+    "iteration",
+    "attempt",
+    "microbatch",
+    "invocation",
+    "layer",
+    "rank",
+    "dp",
+    "token_start",
+    "token_end",
+    "token_total",
+)
+EXPERT_COUNTS_SCHEMA = pa.schema(
+    [
+        *(c for c in KEY_COLUMNS if c[0] in _EXPERT_COUNT_KEYS),
+        ("expert", pa.int32()),
+        ("tokens_pre", pa.int64()),
+        ("tokens_post", pa.int64()),
+    ]
+)
 
-SEGMENTS_SCHEMA = pa.schema([
-    ("segment_id", pa.string()),
-    ("path", pa.string()),
-    ("kind", pa.string()),
-    ("rank", pa.int32()),
-    ("rows", pa.int64()),
-    ("bytes", pa.int64()),
-    ("status", pa.string()),  # ok | partial (some records quarantined) | corrupt (none loaded)
-    ("error", pa.string()),
-    ("ingested_at", _TS),
-])
+SEGMENTS_SCHEMA = pa.schema(
+    [
+        ("segment_id", pa.string()),
+        ("path", pa.string()),
+        ("kind", pa.string()),
+        ("rank", pa.int32()),
+        ("rows", pa.int64()),
+        ("bytes", pa.int64()),
+        ("status", pa.string()),  # ok | partial (some records quarantined) | corrupt (none loaded)
+        ("error", pa.string()),
+        ("ingested_at", _TS),
+    ]
+)
 
 # Records (``row`` >= 0: its index in the segment) or parts of segments (``row`` -1) that failed
 # verification at ingest; ``key_json`` holds what of the key could still be trusted.
-QUARANTINE_SCHEMA = pa.schema([
-    ("segment_id", pa.string()),
-    ("path", pa.string()),
-    ("rank", pa.int32()),
-    ("row", pa.int64()),
-    ("run_id", pa.string()),
-    ("phase", pa.string()),
-    ("iteration", pa.int64()),
-    ("attempt", pa.int32()),
-    ("key_json", pa.string()),
-    ("reason", pa.string()),
-    ("quarantined_at", _TS),
-])
+QUARANTINE_SCHEMA = pa.schema(
+    [
+        ("segment_id", pa.string()),
+        ("path", pa.string()),
+        ("rank", pa.int32()),
+        ("row", pa.int64()),
+        ("run_id", pa.string()),
+        ("phase", pa.string()),
+        ("iteration", pa.int64()),
+        ("attempt", pa.int32()),
+        ("key_json", pa.string()),
+        ("reason", pa.string()),
+        ("quarantined_at", _TS),
+    ]
+)
 
 # Kinds of spool segments and the table each one feeds.
 KIND_SCHEMAS: dict[str, pa.Schema] = {
@@ -146,8 +172,9 @@ KIND_SCHEMAS: dict[str, pa.Schema] = {
     "drops": DROPS_SCHEMA,
     "reports": REPORTS_SCHEMA,
 }
-TABLE_SCHEMAS: dict[str, pa.Schema] = dict(KIND_SCHEMAS, expert_counts=EXPERT_COUNTS_SCHEMA, segments=SEGMENTS_SCHEMA,
-                                           quarantine=QUARANTINE_SCHEMA)
+TABLE_SCHEMAS: dict[str, pa.Schema] = dict(
+    KIND_SCHEMAS, expert_counts=EXPERT_COUNTS_SCHEMA, segments=SEGMENTS_SCHEMA, quarantine=QUARANTINE_SCHEMA
+)
 
 # --------------------------------------------------------------------------------------------
 # ClickHouse DDL
@@ -176,8 +203,16 @@ def _ch_type(name: str, t: pa.DataType) -> str:
         return "DateTime64(3, 'UTC')"
     if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t):
         return "LowCardinality(String)" if name in _LOW_CARD else "String"
-    ints = {pa.int8(): "Int8", pa.int16(): "Int16", pa.int32(): "Int32", pa.int64(): "Int64",
-            pa.uint8(): "UInt8", pa.uint16(): "UInt16", pa.uint32(): "UInt32", pa.uint64(): "UInt64"}
+    ints = {
+        pa.int8(): "Int8",
+        pa.int16(): "Int16",
+        pa.int32(): "Int32",
+        pa.int64(): "Int64",
+        pa.uint8(): "UInt8",
+        pa.uint16(): "UInt16",
+        pa.uint32(): "UInt32",
+        pa.uint64(): "UInt64",
+    }
     if t in ints:
         return ints[t]
     if pa.types.is_float64(t):
@@ -200,14 +235,49 @@ def _columns(schema: pa.Schema) -> str:
 # must identify a row completely: re-ingesting a segment (crash between insert and bookkeeping,
 # spool replay) then leaves exactly one copy under FINAL.
 ORDER_BY: dict[str, tuple[str, ...]] = {
-    "tensors": ("run_id", "phase", "output", "layer", "iteration", "microbatch", "dp", "invocation",
-                "attempt", "rank", "shard_index", "token_start"),
-    "expert_counts": ("run_id", "phase", "layer", "iteration", "microbatch", "dp", "invocation",
-                      "attempt", "token_start", "token_end", "rank", "expert"),
+    "tensors": (
+        "run_id",
+        "phase",
+        "output",
+        "layer",
+        "iteration",
+        "microbatch",
+        "dp",
+        "invocation",
+        "attempt",
+        "rank",
+        "shard_index",
+        "token_start",
+    ),
+    "expert_counts": (
+        "run_id",
+        "phase",
+        "layer",
+        "iteration",
+        "microbatch",
+        "dp",
+        "invocation",
+        "attempt",
+        "token_start",
+        "token_end",
+        "rank",
+        "expert",
+    ),
     "runs": ("run_id", "attempt"),
     "topology": ("run_id", "attempt", "rank"),
-    "drops": ("run_id", "attempt", "rank", "phase", "iteration", "microbatch", "layer", "output",
-              "invocation", "shard_index", "token_start"),
+    "drops": (
+        "run_id",
+        "attempt",
+        "rank",
+        "phase",
+        "iteration",
+        "microbatch",
+        "layer",
+        "output",
+        "invocation",
+        "shard_index",
+        "token_start",
+    ),
     "reports": ("run_id", "attempt", "rank", "sink"),
     "segments": ("segment_id",),
     "quarantine": ("segment_id", "row", "reason"),

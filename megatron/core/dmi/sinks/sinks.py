@@ -107,9 +107,17 @@ class _BufferedSink(DMISink):
     within seconds even when no further batch comes), and hands each to ``_emit_records``: inline
     when ``writers`` is 1, else on one of ``writers`` threads."""
 
-    def __init__(self, run_id: str, coords: ParallelCoords, spool_root: str, *,
-                 segment_bytes: int = 64 << 20, segment_records: int = 8192, segment_seconds: float = 2.0,
-                 writers: int = 1):
+    def __init__(
+        self,
+        run_id: str,
+        coords: ParallelCoords,
+        spool_root: str,
+        *,
+        segment_bytes: int = 64 << 20,
+        segment_records: int = 8192,
+        segment_seconds: float = 2.0,
+        writers: int = 1,
+    ):
         super().__init__(run_id, coords)
         self.spool_root = spool_root
         self.spool = SpoolWriter(spool_root, coords.rank, run_id)
@@ -151,15 +159,21 @@ class _BufferedSink(DMISink):
             self._buf.append(table)
             self._buf_rows += table.num_rows
             self._buf_bytes += nbytes
-            due = (self._buf_bytes >= self.segment_bytes or self._buf_rows >= self.segment_records
-                   or time.monotonic() - self._buf_since >= self.segment_seconds)
+            due = (
+                self._buf_bytes >= self.segment_bytes
+                or self._buf_rows >= self.segment_records
+                or time.monotonic() - self._buf_since >= self.segment_seconds
+            )
         if due:
             self._drain_buffers(records_only=True)
 
     def _close_aged_segment(self) -> None:
         with self._buf_lock:
-            due = (not self._closed and bool(self._buf)
-                   and time.monotonic() - self._buf_since >= self.segment_seconds * 0.999)
+            due = (
+                not self._closed
+                and bool(self._buf)
+                and time.monotonic() - self._buf_since >= self.segment_seconds * 0.999
+            )
         if due:
             self._drain_buffers(records_only=True)
 
@@ -284,8 +298,10 @@ class _BufferedSink(DMISink):
             return True
         except OSError as e:
             what = "disk full" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
-            msg = (f"DMI rank {self.coords.rank}: cannot write a {kind} spool segment of {table.num_rows} rows "
-                   f"to {self.spool.dir} ({what}); those rows are DROPPED")
+            msg = (
+                f"DMI rank {self.coords.rank}: cannot write a {kind} spool segment of {table.num_rows} rows "
+                f"to {self.spool.dir} ({what}); those rows are DROPPED"
+            )
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
             log.error(msg)
             self._error(msg)
@@ -343,8 +359,16 @@ class EmbeddedSink(SpoolSink):
 
     name = "chdb"
 
-    def __init__(self, store_dir: str, run_id: str, coords: ParallelCoords, is_ingester: bool,
-                 database: str = S.DEFAULT_DATABASE, ingest_poll_s: float = 2.0, **kw):
+    def __init__(
+        self,
+        store_dir: str,
+        run_id: str,
+        coords: ParallelCoords,
+        is_ingester: bool,
+        database: str = S.DEFAULT_DATABASE,
+        ingest_poll_s: float = 2.0,
+        **kw,
+    ):
         super().__init__(run_id, coords, os.path.join(store_dir, "spool"), **kw)
         self.store_dir = store_dir
         self.is_ingester = is_ingester
@@ -392,7 +416,9 @@ class EmbeddedSink(SpoolSink):
                 t = verify_segment(seg).table
             except CorruptSegmentError:  # reported by the ingester already
                 continue
-            t = t.filter(pc.and_(pc.equal(t.column("run_id"), self.run_id), pc.equal(t.column("attempt"), self.attempt)))
+            t = t.filter(
+                pc.and_(pc.equal(t.column("run_id"), self.run_id), pc.equal(t.column("attempt"), self.attempt))
+            )
             left_rows += t.num_rows
             left_bytes += table_nbytes(t)
         with self._buf_lock:
@@ -408,13 +434,20 @@ class EmbeddedSink(SpoolSink):
             rep.records_dropped += lost
             rep.bytes_dropped += lost_bytes
             if lost:
-                rep.errors.append(f"{lost} record(s) this rank spooled are neither in the store nor in the spool "
-                                  f"(quarantined as corrupt, or their segment vanished): see dmi.quarantine and "
-                                  f"dmi.segments")
+                rep.errors.append(
+                    f"{lost} record(s) this rank spooled are neither in the store nor in the spool "
+                    f"(quarantined as corrupt, or their segment vanished): see dmi.quarantine and "
+                    f"dmi.segments"
+                )
         if left_rows:
-            log.warning("DMI rank %d: %d record(s) could not be loaded into the store and remain in %s; "
-                        "opening the store (python -m megatron.core.dmi show %s) loads them",
-                        self.coords.rank, left_rows, self.spool.dir, self.store_dir)
+            log.warning(
+                "DMI rank %d: %d record(s) could not be loaded into the store and remain in %s; "
+                "opening the store (python -m megatron.core.dmi show %s) loads them",
+                self.coords.rank,
+                left_rows,
+                self.spool.dir,
+                self.store_dir,
+            )
 
     def _after_close(self) -> None:
         if self.ingester is not None:
@@ -449,10 +482,21 @@ class ServerSink(_BufferedSink):
 
     name = "clickhouse"
 
-    def __init__(self, url: str, run_id: str, coords: ParallelCoords, spool_root: str, *,
-                 database: str = S.DEFAULT_DATABASE, password: str | None = None,
-                 retry_initial_s: float = 5.0, retry_max_s: float = 60.0, connect_timeout: float = 3.0,
-                 segment_bytes: int = 16 << 20, **kw):
+    def __init__(
+        self,
+        url: str,
+        run_id: str,
+        coords: ParallelCoords,
+        spool_root: str,
+        *,
+        database: str = S.DEFAULT_DATABASE,
+        password: str | None = None,
+        retry_initial_s: float = 5.0,
+        retry_max_s: float = 60.0,
+        connect_timeout: float = 3.0,
+        segment_bytes: int = 16 << 20,
+        **kw,
+    ):
         super().__init__(run_id, coords, spool_root, segment_bytes=segment_bytes, **kw)
         self.backend = ServerBackend(url, database, password, connect_timeout=connect_timeout)
         self.retry_initial_s = retry_initial_s
@@ -468,8 +512,10 @@ class ServerSink(_BufferedSink):
 
     def _down(self, e: Exception) -> None:
         if self._up or not self._warned:
-            msg = (f"DMI: ClickHouse server unavailable, spooling locally to {self.spool.dir} and retrying: "
-                   f"{self.backend.redact(str(e))}")
+            msg = (
+                f"DMI: ClickHouse server unavailable, spooling locally to {self.spool.dir} and retrying: "
+                f"{self.backend.redact(str(e))}"
+            )
             warnings.warn(msg, RuntimeWarning, stacklevel=4)
             log.warning(msg)
             self._warned = True
@@ -556,9 +602,14 @@ class ServerSink(_BufferedSink):
                 self.report.records_spooled = self._spooled_rows - replayed
                 self.report.bytes_spooled = self._spooled_bytes - int(self._spooled_bytes * frac)
             if self.report.records_spooled:
-                log.warning("DMI rank %d: %d record(s) remain spooled in %s; load them with "
-                            "`python -m megatron.core.dmi load %s --store <dir-or-url>`",
-                            self.coords.rank, self.report.records_spooled, self.spool.dir, self.spool_root)
+                log.warning(
+                    "DMI rank %d: %d record(s) remain spooled in %s; load them with "
+                    "`python -m megatron.core.dmi load %s --store <dir-or-url>`",
+                    self.coords.rank,
+                    self.report.records_spooled,
+                    self.spool.dir,
+                    self.spool_root,
+                )
 
     def _after_close(self) -> None:
         self.backend.close()

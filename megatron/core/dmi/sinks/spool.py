@@ -122,8 +122,14 @@ class SpoolWriter:
         with self._lock:
             self._prepare()
         top = max((int(m.group(1)) for m in map(RAW_NAME_RE.match, os.listdir(self.dir)) if m), default=0)
-        header = {"kind": "tensors", "schema_version": S.SCHEMA_VERSION, "rank": self.rank, "run_id": self.run_id,
-                  "writer_id": uuid.uuid4().hex, "first_seq": top + 1}  # segment numbers then run without gaps
+        header = {
+            "kind": "tensors",
+            "schema_version": S.SCHEMA_VERSION,
+            "rank": self.rank,
+            "run_id": self.run_id,
+            "writer_id": uuid.uuid4().hex,
+            "first_seq": top + 1,
+        }  # segment numbers then run without gaps
         return {"directory": self.dir, "first_seq": top + 1, "header": header, "segment_bytes": segment_bytes}
 
     def adopt(self, path: str, rows: int) -> None:
@@ -145,9 +151,16 @@ class SpoolWriter:
         final = os.path.join(self.dir, name)
         tmp = os.path.join(self.dir, f".{name}.{os.getpid()}.tmp")
         meta = dict(table.schema.metadata or {})
-        meta.update({META_ID: uuid.uuid4().hex.encode(), META_KIND: kind.encode(),
-                     META_VERSION: str(S.SCHEMA_VERSION).encode(), META_RANK: str(self.rank).encode(),
-                     META_RUN: self.run_id.encode(), META_ROWS: str(table.num_rows).encode()})
+        meta.update(
+            {
+                META_ID: uuid.uuid4().hex.encode(),
+                META_KIND: kind.encode(),
+                META_VERSION: str(S.SCHEMA_VERSION).encode(),
+                META_RANK: str(self.rank).encode(),
+                META_RUN: self.run_id.encode(),
+                META_ROWS: str(table.num_rows).encode(),
+            }
+        )
         table = table.replace_schema_metadata(meta)
         try:
             pq.write_table(
@@ -157,7 +170,9 @@ class SpoolWriter:
                 # an H200: +70 % step time at 256 MB/step of attention, none under CUDA graphs).
                 # Payloads are mostly incompressible floats and the store recompresses them;
                 # compressing here only slows the drain.
-                table, tmp, compression={c: ("none" if c == "payload" else "zstd") for c in table.schema.names},
+                table,
+                tmp,
+                compression={c: ("none" if c == "payload" else "zstd") for c in table.schema.names},
                 use_dictionary=[c for c in _DICT_COLUMNS if c in table.schema.names],
                 write_statistics=[c for c in table.schema.names if c != "payload"],
                 row_group_size=max(1, min(table.num_rows, 8192)),
@@ -271,9 +286,13 @@ def verify_raw_segment(path: str) -> VerifiedSegment:
     """A ``.dmiraw`` segment's verified records (``raw_segment.verify``) as the tensor table, with
     the segment metadata a Parquet segment carries."""
     header, v = raw_segment.verify(path)
-    meta = {META_ID: raw_segment.segment_id(header).encode(), META_KIND: b"tensors",
-            META_VERSION: str(S.SCHEMA_VERSION).encode(), META_RANK: str(header.get("rank", "")).encode(),
-            META_RUN: str(header.get("run_id", "")).encode()}
+    meta = {
+        META_ID: raw_segment.segment_id(header).encode(),
+        META_KIND: b"tensors",
+        META_VERSION: str(S.SCHEMA_VERSION).encode(),
+        META_RANK: str(header.get("rank", "")).encode(),
+        META_RUN: str(header.get("run_id", "")).encode(),
+    }
     v.table = v.table.replace_schema_metadata(meta)
     return v
 
@@ -356,7 +375,17 @@ def verify_segment(seg: Segment) -> VerifiedSegment:
 
 
 __all__ = [
-    "SpoolWriter", "Segment", "list_segments", "read_segment", "read_raw_segment", "segment_rows_bytes",
-    "peek_segment_id", "CorruptSegmentError", "rank_dir", "verify_segment", "verify_raw_segment", "VerifiedSegment",
+    "SpoolWriter",
+    "Segment",
+    "list_segments",
+    "read_segment",
+    "read_raw_segment",
+    "segment_rows_bytes",
+    "peek_segment_id",
+    "CorruptSegmentError",
+    "rank_dir",
+    "verify_segment",
+    "verify_raw_segment",
+    "VerifiedSegment",
     "Quarantined",
 ]

@@ -33,8 +33,13 @@ class NativeABIError(DMIError, RuntimeError):
 def check(module, build: str) -> None:
     """Raise ``NativeABIError`` unless ``module`` exports every constant of ``EXPECTED`` with the
     same value."""
-    wrong = [f"{name} is {getattr(module, name, 'missing')} in the {build} build and {value} in Python"
-             for name, value in EXPECTED.items() if getattr(module, name, None) != value]
+    wrong = [
+        f"{name} is {getattr(module, name, 'missing')} in the {build} build and {value} in Python"
+        for name, value in EXPECTED.items()
+        if getattr(module, name, None) != value
+    ]
     if wrong:
-        raise NativeABIError(f"the DMI {build} ring does not match this megatron-dmi: {'; '.join(wrong)} "
-                             f"(a stale or foreign build: clear TORCH_EXTENSIONS_DIR and rebuild)")
+        raise NativeABIError(
+            f"the DMI {build} ring does not match this megatron-dmi: {'; '.join(wrong)} "
+            f"(a stale or foreign build: clear TORCH_EXTENSIONS_DIR and rebuild)"
+        )

@@ -86,7 +86,9 @@ def find_cuda_home() -> str | None:
 
 def _nvcc_version(cuda_home: str) -> str | None:
     try:
-        out = subprocess.run([str(Path(cuda_home) / "bin" / "nvcc"), "--version"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [str(Path(cuda_home) / "bin" / "nvcc"), "--version"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     for line in out.stdout.splitlines():
@@ -220,8 +222,15 @@ def _build_only(ce, name, sources, opts, build_dir: Path, verbose: bool) -> None
     build = getattr(ce, "_write_ninja_file_and_build_library", None)
     if build is None:  # very old/new torch: fall back to load, tolerate the import failing
         try:
-            ce.load(name=name, sources=[str(s) for s in sources], build_directory=str(build_dir),
-                    extra_include_paths=[str(csrc_dir())], verbose=verbose, with_cuda=True, **opts)
+            ce.load(
+                name=name,
+                sources=[str(s) for s in sources],
+                build_directory=str(build_dir),
+                extra_include_paths=[str(csrc_dir())],
+                verbose=verbose,
+                with_cuda=True,
+                **opts,
+            )
         except ImportError:
             pass
         return

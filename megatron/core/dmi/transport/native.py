@@ -112,7 +112,9 @@ class NativeRingTransport(Transport):
         block = 1 if on_full == "block" else 0
         if device.type == "cuda":
             self._mod = jit.load_cuda()
-            self._ring = self._mod.CudaRing(device.index, cap, self.desc_capacity, self.staging_bytes, block, self.block_timeout)
+            self._ring = self._mod.CudaRing(
+                device.index, cap, self.desc_capacity, self.staging_bytes, block, self.block_timeout
+            )
         elif device.type == "cpu":
             self._mod = jit.load_host()
             self._ring = self._mod.HostRing(cap, self.desc_capacity, self.staging_bytes, block, self.block_timeout)
@@ -273,9 +275,14 @@ class NativeRingTransport(Transport):
             # every source stays referenced until the launches are enqueued: a freed contiguous copy
             # could be reused, and overwritten, by the next one before the copy kernel reads it
             sources = [self._source(t) for t in tensors[group]]
-            self._ring.publish_group([t.data_ptr() if n else 0 for t, n in sources], [n for _, n in sources],
-                                     handles[group], 1, torch.cuda.current_stream(self.device).cuda_stream,
-                                     [_context_words(f) for f in firings[group]])
+            self._ring.publish_group(
+                [t.data_ptr() if n else 0 for t, n in sources],
+                [n for _, n in sources],
+                handles[group],
+                1,
+                torch.cuda.current_stream(self.device).cuda_stream,
+                [_context_words(f) for f in firings[group]],
+            )
         return [True] * len(tensors)
 
     def _source(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -305,8 +312,16 @@ class NativeRingTransport(Transport):
         return self._ring.publish(ptr, nbytes, site_id, mask, ctx) == 1
 
     # ------------------------------------------------------------------ native spool
-    def start_spool(self, directory: str, header: dict, first_seq: int, segment_bytes: int, linger_bytes: int,
-                    poll_seconds: float = 0.05, segment_seconds: float = 2.0) -> None:
+    def start_spool(
+        self,
+        directory: str,
+        header: dict,
+        first_seq: int,
+        segment_bytes: int,
+        linger_bytes: int,
+        poll_seconds: float = 0.05,
+        segment_seconds: float = 2.0,
+    ) -> None:
         """Make a C++ thread the ring's consumer: it writes finished records straight from staging
         into raw spool segments (``<seq>.dmiraw`` in ``directory``, numbered from ``first_seq``;
         format in csrc/dmi/spool_writer.h), checksummed, without Python or the GIL; a segment closes
@@ -314,9 +329,16 @@ class NativeRingTransport(Transport):
         not be used while it runs."""
         if self._spool is not None:
             raise RuntimeError("the native spool writer is already running")
-        self._spool = self._mod.SpoolThread(self._ring, directory, json.dumps(header), int(first_seq),
-                                            int(segment_bytes), int(linger_bytes), float(poll_seconds),
-                                            float(segment_seconds))
+        self._spool = self._mod.SpoolThread(
+            self._ring,
+            directory,
+            json.dumps(header),
+            int(first_seq),
+            int(segment_bytes),
+            int(linger_bytes),
+            float(poll_seconds),
+            float(segment_seconds),
+        )
         for site, key in enumerate(self._sites):
             self._spool.add_site(site, site_json(key))
 
@@ -370,8 +392,9 @@ class NativeRingTransport(Transport):
         not with its bytes. ``min_bytes``: linger up to ``timeout`` until that much is ready."""
         self._check_no_spool()
         lease = self.blobs.lease()
-        raw, too_big = self._ring.take_into(int(max_records), float(timeout), lease.address, lease.nbytes,
-                                            int(min_bytes))
+        raw, too_big = self._ring.take_into(
+            int(max_records), float(timeout), lease.address, lease.nbytes, int(min_bytes)
+        )
         if too_big:  # the next record alone is larger than a pooled buffer
             lease = self.blobs.lease(too_big)
             raw, too_big = self._ring.take_into(1, 0.0, lease.address, lease.nbytes)

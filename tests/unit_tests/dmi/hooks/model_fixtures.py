@@ -15,16 +15,34 @@ from megatron.core.dmi.transport.torch_ring import TorchRingTransport
 SEQ, BATCH, VOCAB, EXPERTS, TOPK = 16, 2, 64, 4, 2
 
 
-def tiny_gpt(num_experts: int = EXPERTS, capacity_factor: float | None = None, num_query_groups: int | None = None,
-             recompute: dict | None = None, shared_expert_size: int | None = None) -> GPTModel:
+def tiny_gpt(
+    num_experts: int = EXPERTS,
+    capacity_factor: float | None = None,
+    num_query_groups: int | None = None,
+    recompute: dict | None = None,
+    shared_expert_size: int | None = None,
+) -> GPTModel:
     config = TransformerConfig(
-        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-        num_query_groups=num_query_groups, use_cpu_initialization=True,
-        num_moe_experts=num_experts, moe_router_topk=TOPK, moe_token_dispatcher_type="allgather",
-        moe_expert_capacity_factor=capacity_factor, moe_token_drop_policy="probs",
-        moe_router_load_balancing_type="none", add_bias_linear=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        hidden_dropout=0.0, attention_dropout=0.0, moe_shared_expert_intermediate_size=shared_expert_size,
+        num_layers=2,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=num_query_groups,
+        use_cpu_initialization=True,
+        num_moe_experts=num_experts,
+        moe_router_topk=TOPK,
+        moe_token_dispatcher_type="allgather",
+        moe_expert_capacity_factor=capacity_factor,
+        moe_token_drop_policy="probs",
+        moe_router_load_balancing_type="none",
+        add_bias_linear=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        moe_shared_expert_intermediate_size=shared_expert_size,
         **(recompute or {}),
     )
     spec = get_gpt_layer_local_spec(num_experts=num_experts)

@@ -21,6 +21,7 @@ def test_attention_outputs_match_a_plain_hook(megatron_cpu, groups):
             oracle[(layer, "attn.q")] = args[0].detach().clone()
             oracle[(layer, "attn.k")] = args[1].detach().clone()
             oracle[(layer, "attn.context")] = output.detach().clone()
+
         return hook
 
     for m in model.modules():

@@ -55,8 +55,10 @@ def test_vocabulary_shards_merge_to_the_unsplit_result(shards):
     logits = torch.randn(SEQ, BATCH, VOCAB, generator=g)
     logits[0, 0, 5] = logits[0, 0, 40] = 9.0  # a tie across shards: the lower id comes first
     labels = torch.randint(0, VOCAB, (SEQ, BATCH), generator=g)
-    views = [vocabulary_views(part, labels, i * (VOCAB // shards), K, ["logits.topk", "logits.target"])
-             for i, part in enumerate(logits.chunk(shards, dim=-1))]
+    views = [
+        vocabulary_views(part, labels, i * (VOCAB // shards), K, ["logits.topk", "logits.target"])
+        for i, part in enumerate(logits.chunk(shards, dim=-1))
+    ]
     topk = merge_topk([v["logits.topk"] for v in views])
     assert torch.equal(topk, _oracle_topk(logits, K))
     assert topk[0, 0, 0].tolist() == [9.0, 5.0] and topk[0, 0, 1].tolist() == [9.0, 40.0]

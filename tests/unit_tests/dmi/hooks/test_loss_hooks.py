@@ -13,9 +13,10 @@ def test_loss_token_matches_a_plain_hook_and_torch_cross_entropy(megatron_cpu):
     capture = capture_for("loss")
     HookSet(capture).attach(model)
     seen = {}
-    model.register_forward_hook(lambda m, args, kwargs, out: seen.update(loss=out.detach().clone(),
-                                                                          mask=kwargs["loss_mask"].clone()),
-                                with_kwargs=True)
+    model.register_forward_hook(
+        lambda m, args, kwargs, out: seen.update(loss=out.detach().clone(), mask=kwargs["loss_mask"].clone()),
+        with_kwargs=True,
+    )
     model.output_layer.register_forward_hook(lambda m, args, out: seen.update(logits=out[0].detach().clone()))
     ids, pos = tokens()
     labels = torch.roll(ids, -1, dims=1)
@@ -28,8 +29,9 @@ def test_loss_token_matches_a_plain_hook_and_torch_cross_entropy(megatron_cpu):
     assert got.shape == (SEQ, BATCH, 2) and got.dtype == torch.float32
     assert torch.equal(bits(got[..., 0]), bits(seen["loss"].t()))
     assert torch.equal(got[..., 1], seen["mask"].t())
-    reference = torch.nn.functional.cross_entropy(seen["logits"].float().reshape(SEQ * BATCH, -1),
-                                                  labels.t().reshape(-1), reduction="none").view(SEQ, BATCH)
+    reference = torch.nn.functional.cross_entropy(
+        seen["logits"].float().reshape(SEQ * BATCH, -1), labels.t().reshape(-1), reduction="none"
+    ).view(SEQ, BATCH)
     torch.testing.assert_close(got[..., 0], reference, rtol=1e-5, atol=1e-5)
 
 

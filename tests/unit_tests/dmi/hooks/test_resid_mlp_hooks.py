@@ -20,16 +20,19 @@ def layer_oracle(model):
     def inputs(layer):
         def hook(module, args, kwargs):
             seen[(layer, "input")] = kwargs["hidden_states"].detach().clone()
+
         return hook
 
     def outputs(layer):
         def hook(module, args, kwargs, output):
             seen[(layer, "output")] = output[0].detach().clone()
+
         return hook
 
     def mlp(layer):
         def hook(module, args, output):
             seen[(layer, "mlp")] = output[0].detach().clone()
+
         return hook
 
     for m in model.modules():
@@ -49,15 +52,24 @@ def test_resid_and_mlp_outputs_match_plain_hooks(megatron_cpu):
     capture.begin_step("train", 1)
     model(*tokens(), attention_mask=None)
     records = {(r.key.layer, r.key.output): r for r in capture.transport.take(100, 0)}
-    assert set(records) == {(0, "resid.in"), (1, "resid.in"), (1, "resid.out"), (0, "mlp.out"), (1, "mlp.out"),
-                            (0, "router.weight"), (1, "router.weight")}
+    assert set(records) == {
+        (0, "resid.in"),
+        (1, "resid.in"),
+        (1, "resid.out"),
+        (0, "mlp.out"),
+        (1, "mlp.out"),
+        (0, "router.weight"),
+        (1, "router.weight"),
+    }
     for layer in (0, 1):
         got = records[(layer, "resid.in")].tensor()
         assert got.shape == (SEQ, BATCH, HIDDEN) and torch.equal(bits(got), bits(seen[(layer, "input")]))
         assert torch.equal(bits(records[(layer, "mlp.out")].tensor()), bits(seen[(layer, "mlp")]))
         router = model.decoder.layers[layer].mlp.router
         weight = records[(layer, "router.weight")]
-        assert weight.key.shape == (EXPERTS, HIDDEN) and torch.equal(bits(weight.tensor()), bits(router.weight.detach()))
+        assert weight.key.shape == (EXPERTS, HIDDEN) and torch.equal(
+            bits(weight.tensor()), bits(router.weight.detach())
+        )
     # the last layer's output is what the final norm receives
     assert torch.equal(bits(records[(1, "resid.out")].tensor()), bits(seen[(1, "output")]))
     # the residual stream is continuous: layer 1's input is layer 0's output
@@ -99,7 +111,10 @@ def test_dense_model_records_no_router_weight(megatron_cpu):
     capture.begin_step("train", 1)
     model(*tokens(), attention_mask=None)
     assert sorted((r.key.layer, r.key.output) for r in capture.transport.take(100, 0)) == [
-        (0, "resid.in"), (1, "resid.in"), (1, "resid.out")]
+        (0, "resid.in"),
+        (1, "resid.in"),
+        (1, "resid.out"),
+    ]
 
 
 @pytest.mark.parametrize("record_replays", [False, True])
@@ -123,7 +138,8 @@ def test_full_recompute_records_each_once_or_keeps_the_replay(megatron_cpu, reco
         assert replays == [] and capture.stats.replays_rejected == 8
         return
     assert sorted((r.key.microbatch, r.key.layer, r.key.output) for r in replays) == sorted(
-        (mb, layer, o) for mb in (0, 1) for layer in (0, 1) for o in ("resid.in", "mlp.out"))
+        (mb, layer, o) for mb in (0, 1) for layer in (0, 1) for o in ("resid.in", "mlp.out")
+    )
     by_key = {(r.key.microbatch, r.key.layer, r.key.output): r for r in originals}
     for r in replays:
         assert r.payload == by_key[(r.key.microbatch, r.key.layer, r.key.output)].payload
@@ -137,7 +153,8 @@ def test_shared_expert_output_matches_a_plain_hook(megatron_cpu):
     for m in model.modules():
         if isinstance(m, TransformerLayer):
             m.mlp.shared_experts.register_forward_hook(
-                lambda mod, args, out, layer=m.layer_number - 1: seen.update({layer: out.detach().clone()}))
+                lambda mod, args, out, layer=m.layer_number - 1: seen.update({layer: out.detach().clone()})
+            )
     capture.begin_step("train", 1)
     model(*tokens(), attention_mask=None)
     records = {(r.key.layer, r.key.output): r for r in capture.transport.take(100, 0)}

@@ -21,6 +21,7 @@ def oracle_hooks(model):
                 pre_probs, pre_map = topk_routing_with_score_function(logits, TOPK, score_function="softmax")
             probs, routing_map = output
             seen[layer] = (logits, pre_probs, pre_map, probs.detach(), routing_map)
+
         return hook
 
     handles = []
@@ -54,7 +55,10 @@ def test_router_outputs_match_the_oracle_bitwise(megatron_cpu, capacity_factor):
     dropped_any = False
     for layer, (logits, pre_probs, pre_map, probs, routing_map) in seen.items():
         ids, weights = expected_topk(pre_probs, pre_map, probs, routing_map)
-        got = {o: records[(layer, o)].tensor() for o in ("router.logits", "router.topk_ids", "router.topk_probs", "router.expert_counts")}
+        got = {
+            o: records[(layer, o)].tensor()
+            for o in ("router.logits", "router.topk_ids", "router.topk_probs", "router.expert_counts")
+        }
         assert torch.equal(got["router.logits"].view(torch.int32), logits.view(torch.int32))
         assert torch.equal(got["router.topk_ids"], ids)
         assert torch.equal(got["router.topk_probs"].view(torch.int32), weights.view(torch.int32))

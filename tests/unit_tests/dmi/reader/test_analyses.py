@@ -21,8 +21,20 @@ ITERATIONS, EXPERTS, TOPK = 3, 4, 2
 def run(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("analyses"))
     store = os.path.join(tmp, "store")
-    run_pretrain(tiny_moe_args() + ["--train-iters", str(ITERATIONS), "--dmi-hooks", "router,resid,loss",
-                                    "--moe-expert-capacity-factor", "1.0", "--dmi-store-dir", store], tmp)
+    run_pretrain(
+        tiny_moe_args()
+        + [
+            "--train-iters",
+            str(ITERATIONS),
+            "--dmi-hooks",
+            "router,resid,loss",
+            "--moe-expert-capacity-factor",
+            "1.0",
+            "--dmi-store-dir",
+            store,
+        ],
+        tmp,
+    )
     return store, load_oracle(tmp)
 
 
@@ -121,7 +133,9 @@ def loss_table(store_dir: str):
 def test_loss_vs_routing_matches_the_oracle(run):
     store, oracle = run
     table = run_isolated(loss_table, store)
-    assert sorted(zip(table.iteration, table.layer)) == [(it, layer) for it in range(1, ITERATIONS + 1) for layer in (0, 1)]
+    assert sorted(zip(table.iteration, table.layer)) == [
+        (it, layer) for it in range(1, ITERATIONS + 1) for layer in (0, 1)
+    ]
     assert table["tokens_dropped"].sum() > 0, "capacity factor 1.0 dropped no route"
     for _, row in table.iterrows():
         it, layer = row["iteration"], row["layer"]

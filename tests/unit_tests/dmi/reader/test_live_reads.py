@@ -29,8 +29,11 @@ def _in_background(fn, *args):
 
 
 def _disk(path: str) -> dict:
-    return {os.path.relpath(os.path.join(r, f), path): os.stat(os.path.join(r, f)).st_size
-            for r, _, fs in os.walk(path) for f in fs}
+    return {
+        os.path.relpath(os.path.join(r, f), path): os.stat(os.path.join(r, f)).st_size
+        for r, _, fs in os.walk(path)
+        for f in fs
+    }
 
 
 def test_reader_sees_a_live_store_while_its_ingester_holds_it(tmp_path):

@@ -27,9 +27,15 @@ def test_superseded_attempts_hidden(tmp_path):
     q = [dict(run_id=W.RUN, output="router.logits", iteration=it, layer=0) for it in (3, 4)]
     t3, t4 = run_isolated(W.read_tensors, str(tmp_path), q)
     ref = {(r.key.attempt, r.key.iteration): r for r in a1 + a2 if r.key.layer == 0 and r.key.output == "router.logits"}
+
     def full(a, it):
-        return torch.cat([r.tensor() for r in a1 + a2 if r.key.attempt == a and r.key.iteration == it
-                          and r.key.layer == 0 and r.key.output == "router.logits"])
+        return torch.cat(
+            [
+                r.tensor()
+                for r in a1 + a2
+                if r.key.attempt == a and r.key.iteration == it and r.key.layer == 0 and r.key.output == "router.logits"
+            ]
+        )
 
     assert ref and torch.equal(t3, full(1, 3)) and torch.equal(t4, full(2, 4))
     load = run_isolated(W.store_call, str(tmp_path), "expert_load", W.RUN)
@@ -45,12 +51,24 @@ def test_expert_load_counts_replicas_once_and_sums_shards(tmp_path):
     sp = W.moe_records(run_id="sp", tp=2, sp=True, seed=3)  # token shards: sum
     rep = W.moe_records(run_id="rep", tp=2, sp=False, seed=3)  # replicated producers: once
     # a second data-parallel rank with its own tokens adds to the load
-    dp1 = [Record(r.key.__class__(**{**r.key.__dict__, "coords": r.key.coords.__class__(rank=r.key.coords.rank + 2, tp=r.key.coords.tp, dp=1)}), r.payload)
-           for r in rep]
+    dp1 = [
+        Record(
+            r.key.__class__(
+                **{
+                    **r.key.__dict__,
+                    "coords": r.key.coords.__class__(rank=r.key.coords.rank + 2, tp=r.key.coords.tp, dp=1),
+                }
+            ),
+            r.payload,
+        )
+        for r in rep
+    ]
     run_isolated(W.write_embedded, str(tmp_path), sp + rep + dp1, [W.run_info(run_id="sp"), W.run_info(run_id="rep")])
     for run, recs, factor in (("sp", sp, 1), ("rep", rep, 2)):
         load = run_isolated(W.store_call, str(tmp_path), "expert_load", run)
-        counts = [r for r in recs if r.key.output == "router.expert_counts" and r.key.iteration == 2 and r.key.layer == 1]
+        counts = [
+            r for r in recs if r.key.output == "router.expert_counts" and r.key.iteration == 2 and r.key.layer == 1
+        ]
         if run == "sp":
             expect = sum(r.tensor().long() for r in counts)
         else:
@@ -70,8 +88,9 @@ def test_router_entropy_matches_direct(tmp_path):
     ent = run_isolated(W.store_call, str(tmp_path), "router_entropy", W.RUN)
     assert len(ent) == 3 * 2
     for it in (1, 3):
-        logits = torch.cat([r.tensor() for r in recs if r.key.output == "router.logits" and r.key.iteration == it
-                            and r.key.layer == 0])
+        logits = torch.cat(
+            [r.tensor() for r in recs if r.key.output == "router.logits" and r.key.iteration == it and r.key.layer == 0]
+        )
         p = torch.softmax(logits, -1)
         h = float(torch.special.entr(p).sum(-1).mean())
         got = ent[(ent.iteration == it) & (ent.layer == 0)].iloc[0]
@@ -86,8 +105,12 @@ def test_attention_pattern_gqa_tp(tmp_path):
     k = torch.randn(s, b, groups, d, generator=g).to(torch.bfloat16)
     recs = []
     for t in range(tp):
-        recs.append(W.rec("attn.q", q.chunk(tp, 2)[t].contiguous(), rank=t, tp=t, shard_index=t, shard_count=tp, layer=1))
-        recs.append(W.rec("attn.k", k.chunk(tp, 2)[t].contiguous(), rank=t, tp=t, shard_index=t, shard_count=tp, layer=1))
+        recs.append(
+            W.rec("attn.q", q.chunk(tp, 2)[t].contiguous(), rank=t, tp=t, shard_index=t, shard_count=tp, layer=1)
+        )
+        recs.append(
+            W.rec("attn.k", k.chunk(tp, 2)[t].contiguous(), rank=t, tp=t, shard_index=t, shard_count=tp, layer=1)
+        )
     run_isolated(W.write_embedded, str(tmp_path), recs, [W.run_info()])
     for head in (0, 3):
         got = run_isolated(W.store_call, str(tmp_path), "attention_pattern", W.RUN, 1, 0, 1, head, batch=1)
@@ -103,9 +126,14 @@ def test_attention_pattern_gqa_tp(tmp_path):
 
 def test_gap_in_store_is_reported(tmp_path):
     full = torch.randn(4, 1, 8)
-    recs = [W.rec("attn.context", p.contiguous(), rank=t, tp=t, shard_index=t, shard_count=4) for t, p in enumerate(full.chunk(4, -1))]
+    recs = [
+        W.rec("attn.context", p.contiguous(), rank=t, tp=t, shard_index=t, shard_count=4)
+        for t, p in enumerate(full.chunk(4, -1))
+    ]
     run_isolated(W.write_embedded, str(tmp_path), recs[:1] + recs[2:], [W.run_info(layers=[0])])
-    (out,) = run_isolated(W.read_tensors, str(tmp_path), [dict(run_id=W.RUN, output="attn.context", iteration=1, layer=0)])
+    (out,) = run_isolated(
+        W.read_tensors, str(tmp_path), [dict(run_id=W.RUN, output="attn.context", iteration=1, layer=0)]
+    )
     assert out[0] == "error" and out[1] == "ReconstructionError"
     assert "shard(s) [1] of 4 missing" in out[2]
 
@@ -117,6 +145,8 @@ def test_hostile_values_are_parameters(tmp_path):
     run_isolated(W.write_embedded, str(tmp_path), [r], [W.run_info(run_id=run_id)])
     runs = run_isolated(W.store_call, str(tmp_path), "runs")
     assert list(runs.run_id) == [run_id]
-    (got,) = run_isolated(W.read_tensors, str(tmp_path), [dict(run_id=run_id, output="router.logits", iteration=1, layer=0)])
+    (got,) = run_isolated(
+        W.read_tensors, str(tmp_path), [dict(run_id=run_id, output="router.logits", iteration=1, layer=0)]
+    )
     assert torch.equal(got, t.float())
     assert tensor_to_payload(got) == r.payload

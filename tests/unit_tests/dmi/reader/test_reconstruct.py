@@ -15,8 +15,20 @@ def shards_context(full: torch.Tensor, tp: int, cp: int):
     for c in range(cp):
         lo, hi = c * s // cp, (c + 1) * s // cp
         for t, part in enumerate(full[lo:hi].chunk(tp, dim=-1)):
-            out.append(rec("attn.context", part.contiguous(), rank=c * tp + t, tp=t, cp=c, shard_index=t,
-                           shard_count=tp, token_start=lo, token_end=hi, token_total=s))
+            out.append(
+                rec(
+                    "attn.context",
+                    part.contiguous(),
+                    rank=c * tp + t,
+                    tp=t,
+                    cp=c,
+                    shard_index=t,
+                    shard_count=tp,
+                    token_start=lo,
+                    token_end=hi,
+                    token_total=s,
+                )
+            )
     return out
 
 
@@ -30,8 +42,10 @@ def test_concat_tp_cp(tp, cp):
 
 def test_q_shards_on_head_dim():
     q = torch.randn(6, 1, 4, 3)
-    recs = [rec("attn.q", p.contiguous(), rank=i, tp=i, shard_index=i, shard_count=2, token_total=6)
-            for i, p in enumerate(q.chunk(2, dim=2))]
+    recs = [
+        rec("attn.q", p.contiguous(), rank=i, tp=i, shard_index=i, shard_count=2, token_total=6)
+        for i, p in enumerate(q.chunk(2, dim=2))
+    ]
     assert torch.equal(reconstruct(recs, "attn.q"), q)
 
 
@@ -49,8 +63,10 @@ def test_conflicting_duplicates():
 
 def test_gap_names_missing_token_range():
     full = torch.randn(12, 4)
-    recs = [rec("router.logits", full[0:4].contiguous(), rank=0, token_start=0, token_end=4, token_total=12),
-            rec("router.logits", full[8:12].contiguous(), rank=2, token_start=8, token_end=12, token_total=12)]
+    recs = [
+        rec("router.logits", full[0:4].contiguous(), rank=0, token_start=0, token_end=4, token_total=12),
+        rec("router.logits", full[8:12].contiguous(), rank=2, token_start=8, token_end=12, token_total=12),
+    ]
     with pytest.raises(ReconstructionError, match=r"gap: tokens \[4, 8\) of 12 are missing"):
         reconstruct(recs)
     with pytest.raises(ReconstructionError, match=r"gap: tokens \[4, 12\) of 12"):
@@ -59,9 +75,13 @@ def test_gap_names_missing_token_range():
 
 def test_overlap():
     full = torch.randn(12, 4)
-    recs = [rec("router.logits", full[0:8].contiguous(), rank=0, token_start=0, token_end=8, token_total=12),
-            rec("router.logits", full[6:12].contiguous(), rank=1, token_start=6, token_end=12, token_total=12)]
-    with pytest.raises(ReconstructionError, match=r"overlapping token ranges \[0, 8\) \(rank\(s\) 0\) and \[6, 12\) \(rank\(s\) 1\)"):
+    recs = [
+        rec("router.logits", full[0:8].contiguous(), rank=0, token_start=0, token_end=8, token_total=12),
+        rec("router.logits", full[6:12].contiguous(), rank=1, token_start=6, token_end=12, token_total=12),
+    ]
+    with pytest.raises(
+        ReconstructionError, match=r"overlapping token ranges \[0, 8\) \(rank\(s\) 0\) and \[6, 12\) \(rank\(s\) 1\)"
+    ):
         reconstruct(recs)
 
 
@@ -76,9 +96,11 @@ def test_missing_shard_names_shard_and_expected_rank():
 def test_sum_over_token_shards_and_replicas():
     a = torch.tensor([[3, 1, 0, 4], [3, 1, 0, 3]], dtype=torch.int32)
     b = torch.tensor([[1, 1, 2, 4], [1, 0, 2, 4]], dtype=torch.int32)
-    recs = [rec("router.expert_counts", a, rank=0, token_start=0, token_end=4, token_total=8),
-            rec("router.expert_counts", a, rank=2, token_start=0, token_end=4, token_total=8),  # replica
-            rec("router.expert_counts", b, rank=1, token_start=4, token_end=8, token_total=8)]
+    recs = [
+        rec("router.expert_counts", a, rank=0, token_start=0, token_end=4, token_total=8),
+        rec("router.expert_counts", a, rank=2, token_start=0, token_end=4, token_total=8),  # replica
+        rec("router.expert_counts", b, rank=1, token_start=4, token_end=8, token_total=8),
+    ]
     assert torch.equal(reconstruct(recs), a + b)
     with pytest.raises(ReconstructionError, match="gap"):
         reconstruct(recs[:2])
@@ -94,5 +116,9 @@ def test_zero_rows_and_bad_sizes():
     with pytest.raises(ReconstructionError, match="rows"):
         reconstruct([Record(k, r.payload)])
     with pytest.raises(ReconstructionError, match="disagree on dtype"):
-        reconstruct([rec("router.logits", torch.randn(2, 4), token_end=2, token_total=4),
-                     rec("router.logits", torch.randn(2, 4).half(), token_start=2, token_end=4, token_total=4)])
+        reconstruct(
+            [
+                rec("router.logits", torch.randn(2, 4), token_end=2, token_total=4),
+                rec("router.logits", torch.randn(2, 4).half(), token_start=2, token_end=4, token_total=4),
+            ]
+        )

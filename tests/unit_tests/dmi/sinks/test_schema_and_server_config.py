@@ -50,7 +50,12 @@ def test_ddl_covers_every_table_with_codecs():
 
 
 def test_url_parsing():
-    assert parse_server_url("http://ch.example:8123") == {"host": "ch.example", "port": 8123, "username": "default", "secure": False}
+    assert parse_server_url("http://ch.example:8123") == {
+        "host": "ch.example",
+        "port": 8123,
+        "username": "default",
+        "secure": False,
+    }
     assert parse_server_url("https://alice@ch:9443")["username"] == "alice"
     assert parse_server_url("https://ch")["port"] == 8443
     for bad in ["ftp://x:1", "http://u:secret@h:1", "http://:8123", "http://h:1/db?x=1", "h:8123", "http://h:99999"]:

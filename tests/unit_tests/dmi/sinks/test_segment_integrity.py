@@ -67,8 +67,14 @@ def decode_dmiraw(path: str) -> dict:
             d = dict(zip(DESCRIPTOR, (int(x) for x in row)))
             payload = buf[data : data + d["nbytes"]]
             assert zlib.crc32(payload) == d["crc32"]
-            key = dict(sites[d["site"]], iteration=d["iteration"], microbatch=d["microbatch"], attempt=d["attempt"],
-                       invocation=d["invocation"], phase=("train", "valid")[d["phase"]])
+            key = dict(
+                sites[d["site"]],
+                iteration=d["iteration"],
+                microbatch=d["microbatch"],
+                attempt=d["attempt"],
+                invocation=d["invocation"],
+                phase=("train", "valid")[d["phase"]],
+            )
             out["records"].append({"key": key, "payload": payload})
             data += d["nbytes"]
         pos = body + a * 72 + b + (-b) % 8
@@ -78,8 +84,24 @@ def decode_dmiraw(path: str) -> dict:
 
 # -- real segments ---------------------------------------------------------------------------------
 def _key(i: int, x: torch.Tensor) -> RecordKey:
-    return RecordKey(RUN, "valid" if i % 5 == 4 else "train", 1 + i // 4, 1, i % 4, 0, i % 2, "router.logits",
-                     ParallelCoords(rank=0), 0, 1, 0, x.shape[0], x.shape[0], "float32", tuple(x.shape))
+    return RecordKey(
+        RUN,
+        "valid" if i % 5 == 4 else "train",
+        1 + i // 4,
+        1,
+        i % 4,
+        0,
+        i % 2,
+        "router.logits",
+        ParallelCoords(rank=0),
+        0,
+        1,
+        0,
+        x.shape[0],
+        x.shape[0],
+        "float32",
+        tuple(x.shape),
+    )
 
 
 def native_segments(spool: str, segments: int = 1) -> dict:
@@ -138,6 +160,7 @@ def flip(byte_at: int, bit: int = 0):
     def damage(data, _layout):
         data[byte_at] ^= 1 << bit
         return data
+
     return damage
 
 
@@ -150,8 +173,9 @@ def word_of_row(layout, block: int, row: int, column: str) -> int:
 
 
 def cli(*args) -> tuple[int, str]:
-    p = subprocess.run([sys.executable, "-m", "megatron.core.dmi", *args], capture_output=True, text=True, cwd=REPO,
-                       timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "megatron.core.dmi", *args], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
     return p.returncode, p.stdout + p.stderr
 
 
@@ -170,8 +194,9 @@ def test_a_segment_decodes_with_numpy_alone_as_the_reader_reads_it(pristine):
         k = rec["key"]
         r = by_key[(k["phase"], k["iteration"], k["microbatch"], k["layer"])]
         assert rec["payload"] == r["payload"] == sent[(k["phase"], k["iteration"], k["microbatch"], k["layer"])]
-        assert {n: k[n] for n in ("run_id", "output", "attempt", "invocation", "rank", "dtype")} == \
-            {n: r[n] for n in ("run_id", "output", "attempt", "invocation", "rank", "dtype")}
+        assert {n: k[n] for n in ("run_id", "output", "attempt", "invocation", "rank", "dtype")} == {
+            n: r[n] for n in ("run_id", "output", "attempt", "invocation", "rank", "dtype")
+        }
         assert list(k["shape"]) == r["shape"]
 
 
@@ -215,9 +240,11 @@ def test_a_flipped_payload_bit_quarantines_that_record_only(pristine, tmp_path):
 def test_a_segment_cut_at_a_block_boundary_is_reported(pristine, tmp_path):
     """The footer's totals: a segment missing its last block (cut exactly between blocks) loads
     what it holds and says it was cut (before: a block's records short, exit 0)."""
+
     def cut_last_records_block(data, layout):
         last = [b for b in layout["blocks"] if b["magic"] == b"DMIRECS2"][-1]
         return data[: last["at"]]
+
     spool, _ = damaged_copy(pristine, tmp_path, cut_last_records_block)
     kept = len(pristine[2]) - records_blocks(decode_dmiraw(pristine[1]))[-1]["a"]
     rc, out = cli("load", spool, "--store", str(tmp_path / "store"))
@@ -285,4 +312,3 @@ def test_format_1_segments_are_refused_with_a_clear_message(pristine, tmp_path):
     out = run_isolated(W.ingest_and_count, str(tmp_path / "store"), spool)
     assert out["result"]["segments_corrupt"] == 1
     assert any("format 1" in e and "load it with the release that wrote it" in e for e in out["result"]["errors"])
-

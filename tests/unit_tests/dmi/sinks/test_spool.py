@@ -18,7 +18,10 @@ def test_segment_roundtrip_bitwise_and_layout(tmp_path):
     w = SpoolWriter(str(tmp_path / "spool"), 3, "run-a")
     path = w.write("tensors", records_to_table(recs))
     assert path.endswith(os.path.join("spool", "rank-00003", "00000001.parquet"))
-    w.write("runs", pa.Table.from_pylist([], schema=__import__("megatron.core.dmi.sinks.schema", fromlist=["x"]).RUNS_SCHEMA))
+    w.write(
+        "runs",
+        pa.Table.from_pylist([], schema=__import__("megatron.core.dmi.sinks.schema", fromlist=["x"]).RUNS_SCHEMA),
+    )
     assert sorted(os.listdir(tmp_path / "spool" / "rank-00003")) == ["00000001.parquet", "runs-00000002.parquet"]
     segs = list_segments(str(tmp_path / "spool"))
     assert [(s.rank, s.kind, s.seq) for s in segs] == [(3, "tensors", 1), (3, "runs", 2)]
@@ -63,7 +66,7 @@ def test_spool_sink_buffers_into_segments(tmp_path):
     sink.segment_records = 10
     recs = moe_records()  # 24 records
     for i in range(0, len(recs), 4):
-        sink.write(recs[i:i + 4])
+        sink.write(recs[i : i + 4])
     rep = sink.close()
     assert rep.records_written == len(recs) and rep.records_dropped == 0
     segs = [s for s in list_segments(str(tmp_path / "spool")) if s.kind == "tensors"]
@@ -101,7 +104,7 @@ def test_concurrent_write_and_metadata(tmp_path):
     def drain():
         try:
             for i in range(0, len(recs), 3):
-                sink.write(recs[i:i + 3])
+                sink.write(recs[i : i + 3])
         except Exception as e:  # pragma: no cover
             errors.append(e)
 
@@ -118,8 +121,9 @@ def test_concurrent_write_and_metadata(tmp_path):
     assert not errors and rep.records_written == len(recs) and rep.drops_recorded == 20
     segs = list_segments(str(tmp_path / "spool"))
     got = [r for s in segs if s.kind == "tensors" for r in table_to_records(read_segment(s))]
-    assert sorted((r.key.iteration, r.key.layer, r.key.output, r.key.coords.rank) for r in got) == \
-        sorted((r.key.iteration, r.key.layer, r.key.output, r.key.coords.rank) for r in recs)
+    assert sorted((r.key.iteration, r.key.layer, r.key.output, r.key.coords.rank) for r in got) == sorted(
+        (r.key.iteration, r.key.layer, r.key.output, r.key.coords.rank) for r in recs
+    )
     drops = sum(read_segment(s).num_rows for s in segs if s.kind == "drops")
     assert drops == 20
 
@@ -142,14 +146,17 @@ def test_parallel_writers_write_every_record_once(tmp_path):
     sink = SpoolSink("run-a", ParallelCoords(rank=2), str(tmp_path / "spool"), writers=3, segment_records=4)
     recs = moe_records()  # 24 records
     for i in range(0, len(recs), 3):
-        sink.write(recs[i:i + 3])
+        sink.write(recs[i : i + 3])
     rep = sink.close()
     assert (rep.records_written, rep.records_dropped) == (len(recs), 0)
     assert rep.bytes_written == sum(len(r.payload) for r in recs)
     segs = [s for s in list_segments(str(tmp_path / "spool")) if s.kind == "tensors"]
     assert len(segs) == 4  # batches of 3 are never split: a segment closes at 6 rows
-    back = sorted((r.key.flat()["iteration"], r.key.layer, r.key.output, r.payload)
-                  for s in segs for r in table_to_records(read_segment(s)))
+    back = sorted(
+        (r.key.flat()["iteration"], r.key.layer, r.key.output, r.payload)
+        for s in segs
+        for r in table_to_records(read_segment(s))
+    )
     assert back == sorted((r.key.iteration, r.key.layer, r.key.output, r.payload) for r in recs)
 
 
@@ -163,7 +170,7 @@ def test_parallel_writer_disk_full_is_counted(tmp_path, monkeypatch):
     recs = moe_records()
     with pytest.warns(RuntimeWarning):  # the report segment at close() fails too (main thread)
         for i in range(0, len(recs), 4):
-            sink.write(recs[i:i + 4])
+            sink.write(recs[i : i + 4])
         rep = sink.close()
     assert (rep.records_written, rep.records_dropped) == (0, len(recs))
     assert sum("disk full" in e for e in rep.errors) >= 6
@@ -192,8 +199,9 @@ def test_store_lag_counts_what_a_store_query_cannot_see_yet(tmp_path):
     assert spool_only.store_lag() is None  # no store at all
     spool_only.close()
     # A non-ingesting rank of the embedded store: its segments wait for the node's ingester.
-    sink = EmbeddedSink(str(tmp_path / "store"), "run-a", ParallelCoords(rank=1), is_ingester=False,
-                        writers=1, segment_records=10)
+    sink = EmbeddedSink(
+        str(tmp_path / "store"), "run-a", ParallelCoords(rank=1), is_ingester=False, writers=1, segment_records=10
+    )
     sink.write(recs[:8])
     assert sink.store_lag() == 8  # buffered
     sink.write(recs[8:16])

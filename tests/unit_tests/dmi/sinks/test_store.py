@@ -19,7 +19,11 @@ def test_roundtrip_bitwise_all_dtypes(tmp_path):
     payloads = run_isolated(W.read_records, str(tmp_path), [r.key for r in recs])
     assert payloads == [r.payload for r in recs]
     assert [r.key.dtype for r in recs] == ["float32", "bfloat16", "float16", "int32", "int64", "float32"]
-    tensors = run_isolated(W.read_tensors, str(tmp_path), [dict(run_id=W.RUN, output=r.key.output, iteration=1, layer=r.key.layer) for r in recs])
+    tensors = run_isolated(
+        W.read_tensors,
+        str(tmp_path),
+        [dict(run_id=W.RUN, output=r.key.output, iteration=1, layer=r.key.layer) for r in recs],
+    )
     for r, t in zip(recs, tensors):
         ref = r.tensor()
         assert t.dtype == ref.dtype and t.shape == ref.shape
@@ -50,10 +54,12 @@ def test_two_ranks_one_reader(tmp_path):
     r0 = W.moe_records(tp=1, seed=1)
     r1 = [r for r in W.moe_records(tp=2, seed=1) if r.key.coords.rank == 1]
     flag = str(tmp_path / "rank1-closed")
-    reps = run_parallel([
-        (W.write_embedded, (str(tmp_path), r0, [W.run_info(rank=0, world=2)], 0, True, flag)),
-        (W.write_rank_then_signal, (str(tmp_path), r1, 1, flag)),
-    ])
+    reps = run_parallel(
+        [
+            (W.write_embedded, (str(tmp_path), r0, [W.run_info(rank=0, world=2)], 0, True, flag)),
+            (W.write_rank_then_signal, (str(tmp_path), r1, 1, flag)),
+        ]
+    )
     assert reps[0]["records_written"] == len(r0) and reps[1]["records_written"] == len(r1)
     assert reps[0]["segments_ingested"] >= 4
     for d in glob.glob("rank-*", root_dir=tmp_path / "spool"):  # the ingester's final pass took everything
@@ -150,7 +156,6 @@ def test_store_busy_error(tmp_path):
     from megatron.core.dmi.sinks.backend import ChdbBackend, StoreBusyError
 
     run_isolated(W.write_embedded, str(tmp_path), W.dtype_records()[:1])
-    b = run_isolated  # noqa: F841  (keep the parent free of chDB sessions)
     import fcntl
 
     fd = os.open(str(tmp_path / "chdb.lock"), os.O_RDWR)
@@ -177,14 +182,18 @@ def test_merge_node_local_stores(tmp_path):
     """Two nodes with node-local store dirs: export each, load both into one store, read all ranks."""
     r0 = W.moe_records(tp=1, seed=2)
     r1 = [r for r in W.moe_records(tp=2, seed=2) if r.key.coords.rank == 1]
-    run_isolated(W.write_embedded, str(tmp_path / "node0"), r0, [W.run_info(rank=0, world=2)], 0, True, None, [r0[0].key])
+    run_isolated(
+        W.write_embedded, str(tmp_path / "node0"), r0, [W.run_info(rank=0, world=2)], 0, True, None, [r0[0].key]
+    )
     run_isolated(W.write_embedded, str(tmp_path / "node1"), r1, [W.run_info(rank=1, world=2)], 1, True)
     for node in ("node0", "node1"):
         rc, out = run_isolated(W.load_cli, ["export", str(tmp_path / node), "--to", str(tmp_path / "merged_spool")])
         assert rc == 0, out
     rc, out = run_isolated(W.load_cli, ["load", str(tmp_path / "merged_spool"), "--store", str(tmp_path / "all")])
     assert rc == 0, out
-    dump = run_isolated(W.dump_store, str(tmp_path / "all"), ("tensors", "topology", "drops", "reports", "expert_counts"))
+    dump = run_isolated(
+        W.dump_store, str(tmp_path / "all"), ("tensors", "topology", "drops", "reports", "expert_counts")
+    )
     assert len(dump["tensors"]) == len(r0) + len(r1)
     assert sorted(dict(r)["rank"] for r in dump["topology"]) == [0, 1]
     assert len(dump["drops"]) == 1 and len(dump["reports"]) == 2

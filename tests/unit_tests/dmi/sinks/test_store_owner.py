@@ -9,8 +9,9 @@ from tests.unit_tests.dmi.sinks import workers as W
 def test_a_second_run_on_a_live_store_is_refused_and_the_first_keeps_everything(tmp_path):
     store = str(tmp_path / "store")
     ready, release = str(tmp_path / "first-ready"), str(tmp_path / "second-done")
-    first, second = run_parallel([(W.hold_spool_open, (store, ready, release)),
-                                  (W.start_second_writer, (store, ready, release))])
+    first, second = run_parallel(
+        [(W.hold_spool_open, (store, ready, release)), (W.start_second_writer, (store, ready, release))]
+    )
     # before: the second writer deleted the first one's open segment (reported as a rename failure)
     assert second.startswith(f"error: --dmi-store-dir {store} is in use by another DMI run (pid "), second
     assert f"run {W.RUN}" in second and "give this run its own --dmi-store-dir" in second
@@ -18,4 +19,3 @@ def test_a_second_run_on_a_live_store_is_refused_and_the_first_keeps_everything(
     assert first["held"] == first["report"]["records_written"] == first["published"]
     # once the first run has closed, the store takes a new run
     assert run_isolated(W.start_second_writer, store, ready, str(tmp_path / "third-done")) == "started"
-

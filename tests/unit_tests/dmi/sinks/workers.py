@@ -18,16 +18,48 @@ from megatron.core.dmi.sinks import RunInfo, open_sink
 RUN = "run-a"
 
 
-def make_key(output: str, t: torch.Tensor, *, run_id: str = RUN, phase: str = "train", iteration: int = 1,
-             attempt: int = 1, microbatch: int = 0, invocation: int = 0, layer: int = 0, rank: int = 0, tp: int = 0,
-             dp: int = 0, cp: int = 0, shard_index: int = 0, shard_count: int = 1, token_start: int = 0,
-             token_end: int | None = None, token_total: int | None = None) -> RecordKey:
+def make_key(
+    output: str,
+    t: torch.Tensor,
+    *,
+    run_id: str = RUN,
+    phase: str = "train",
+    iteration: int = 1,
+    attempt: int = 1,
+    microbatch: int = 0,
+    invocation: int = 0,
+    layer: int = 0,
+    rank: int = 0,
+    tp: int = 0,
+    dp: int = 0,
+    cp: int = 0,
+    shard_index: int = 0,
+    shard_count: int = 1,
+    token_start: int = 0,
+    token_end: int | None = None,
+    token_total: int | None = None,
+) -> RecordKey:
     n = t.shape[0] if t.dim() else 1
     token_end = token_start + n if token_end is None else token_end
     token_total = token_end if token_total is None else token_total
-    return RecordKey(run_id, phase, iteration, attempt, microbatch, invocation, layer, output,
-                     ParallelCoords(rank=rank, tp=tp, dp=dp, cp=cp), shard_index, shard_count, token_start, token_end,
-                     token_total, dtype_name(t.dtype), tuple(t.shape))
+    return RecordKey(
+        run_id,
+        phase,
+        iteration,
+        attempt,
+        microbatch,
+        invocation,
+        layer,
+        output,
+        ParallelCoords(rank=rank, tp=tp, dp=dp, cp=cp),
+        shard_index,
+        shard_count,
+        token_start,
+        token_end,
+        token_total,
+        dtype_name(t.dtype),
+        tuple(t.shape),
+    )
 
 
 def rec(output: str, t: torch.Tensor, **kw) -> Record:
@@ -42,7 +74,7 @@ def dtype_records(seed: int = 0) -> list[Record]:
         ("router.logits", torch.randn(16, 8, generator=g).to(torch.bfloat16)),
         ("router.topk_probs", torch.randn(16, 2, generator=g).to(torch.float16)),
         ("router.topk_ids", torch.randint(0, 9, (16, 2), generator=g, dtype=torch.int32)),
-        ("router.topk_ids", torch.randint(-2**40, 2**40, (16, 2), generator=g, dtype=torch.int64)),
+        ("router.topk_ids", torch.randint(-(2**40), 2**40, (16, 2), generator=g, dtype=torch.int64)),
         ("router.logits", torch.empty(0, 8)),
     ]
     out = []
@@ -57,8 +89,17 @@ def dtype_records(seed: int = 0) -> list[Record]:
     return out
 
 
-def moe_records(run_id: str = RUN, iterations=range(1, 4), layers=(0, 1), experts: int = 4, attempt: int = 1,
-                seed: int = 0, tp: int = 2, sp: bool = True, tokens: int = 8) -> list[Record]:
+def moe_records(
+    run_id: str = RUN,
+    iterations=range(1, 4),
+    layers=(0, 1),
+    experts: int = 4,
+    attempt: int = 1,
+    seed: int = 0,
+    tp: int = 2,
+    sp: bool = True,
+    tokens: int = 8,
+) -> list[Record]:
     """A little MoE capture: per (iteration, layer) router.logits and router.expert_counts from
     ``tp`` TP ranks; with ``sp`` each TP rank routes half of the tokens, else every rank routes all
     of them (replicated producers)."""
@@ -78,30 +119,56 @@ def moe_records(run_id: str = RUN, iterations=range(1, 4), layers=(0, 1), expert
                 post = pre.clone()
                 post[0] = max(0, int(post[0]) - 1)  # one dropped slot on expert 0
                 counts = torch.stack([pre, post])
-                kw = dict(run_id=run_id, iteration=it, attempt=attempt, layer=layer, rank=r, tp=r,
-                          token_start=lo, token_end=hi, token_total=tokens)
+                kw = dict(
+                    run_id=run_id,
+                    iteration=it,
+                    attempt=attempt,
+                    layer=layer,
+                    rank=r,
+                    tp=r,
+                    token_start=lo,
+                    token_end=hi,
+                    token_total=tokens,
+                )
                 out.append(rec("router.logits", logits[lo:hi].contiguous(), **kw))
                 out.append(Record(make_key("router.expert_counts", counts, **kw), tensor_to_payload(counts)))
     return out
 
 
-def run_info(run_id: str = RUN, attempt: int = 1, resumed_from=None, rank: int = 0, layers=(0, 1), world: int = 1,
-             tp: int = 0) -> RunInfo:
-    return RunInfo(run_id, attempt, resumed_from, {"hooks": ["router"], "note": "test"},
-                   coords=ParallelCoords(rank=rank, tp=tp), layers=list(layers), world_size=world)
+def run_info(
+    run_id: str = RUN, attempt: int = 1, resumed_from=None, rank: int = 0, layers=(0, 1), world: int = 1, tp: int = 0
+) -> RunInfo:
+    return RunInfo(
+        run_id,
+        attempt,
+        resumed_from,
+        {"hooks": ["router"], "note": "test"},
+        coords=ParallelCoords(rank=rank, tp=tp),
+        layers=list(layers),
+        world_size=world,
+    )
 
 
 # -- functions run in a fresh process ---------------------------------------------------------
 
-def write_embedded(store_dir: str, records: list[Record], infos: list[RunInfo] = (), rank: int = 0,
-                   is_ingester: bool = True, wait_for: str | None = None, drops=(), batch: int = 5) -> dict:
+
+def write_embedded(
+    store_dir: str,
+    records: list[Record],
+    infos: list[RunInfo] = (),
+    rank: int = 0,
+    is_ingester: bool = True,
+    wait_for: str | None = None,
+    drops=(),
+    batch: int = 5,
+) -> dict:
     """One rank's EmbeddedSink: write everything, close; returns the report as a dict."""
     cfg = DMIConfig(persist="clickhouse", store_dir=store_dir)
     sink = open_sink(cfg, ParallelCoords(rank=rank), records[0].key.run_id if records else RUN, is_ingester)
     for info in infos:
         sink.write_run(info)
     for i in range(0, len(records), batch):
-        sink.write(records[i:i + batch])
+        sink.write(records[i : i + batch])
     if drops:
         sink.write_drops(list(drops), "ring full")
     if wait_for:  # stands in for the training integration's barrier before rank 0's final ingest
@@ -117,15 +184,21 @@ def write_rank_then_signal(store_dir: str, records: list[Record], rank: int, fla
     return rep
 
 
-def write_spool(store_dir: str, records: list[Record], infos: list[RunInfo] = (), rank: int = 0, batch: int = 5,
-                segment_records: int = 8192) -> dict:
+def write_spool(
+    store_dir: str,
+    records: list[Record],
+    infos: list[RunInfo] = (),
+    rank: int = 0,
+    batch: int = 5,
+    segment_records: int = 8192,
+) -> dict:
     cfg = DMIConfig(persist="spool", store_dir=store_dir)
     sink = open_sink(cfg, ParallelCoords(rank=rank), RUN, False)
     sink.segment_records = segment_records
     for info in infos:
         sink.write_run(info)
     for i in range(0, len(records), batch):
-        sink.write(records[i:i + batch])
+        sink.write(records[i : i + batch])
     return dataclasses.asdict(sink.close())
 
 
@@ -135,7 +208,7 @@ def write_server(store_dir: str, url: str, records: list[Record], infos: list[Ru
     for info in infos:
         sink.write_run(info)
     for i in range(0, len(records), 4):
-        sink.write(records[i:i + 4])
+        sink.write(records[i : i + 4])
     sink.flush()
     lag = sink.store_lag()
     return dict(dataclasses.asdict(sink.close()), store_lag_before_close=lag)
@@ -148,7 +221,9 @@ def read_records(store_dir: str, keys: list[RecordKey]) -> list[bytes]:
     with open_store(store_dir) as store:
         out = []
         for k in keys:
-            recs = store.records(k.run_id, k.output, k.iteration, k.microbatch, k.layer, k.phase, k.coords.dp, k.invocation)
+            recs = store.records(
+                k.run_id, k.output, k.iteration, k.microbatch, k.layer, k.phase, k.coords.dp, k.invocation
+            )
             assert len(recs) == 1, recs
             assert recs[0].key == k, (recs[0].key, k)
             out.append(recs[0].payload)
@@ -178,8 +253,10 @@ def dump_store(store_dir: str, tables=("tensors", "expert_counts", "runs", "topo
         out = {}
         for t in tables:
             rows = store.sql(f"SELECT * FROM dmi.{t} FINAL").to_pylist()
-            rows = [tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(r.items()) if k not in skip)
-                    for r in rows]
+            rows = [
+                tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(r.items()) if k not in skip)
+                for r in rows
+            ]
             out[t] = sorted(rows, key=repr)
         out["_ingest"] = dataclasses.asdict(store.ingest_result)
         return out
@@ -231,7 +308,9 @@ def load_cli(argv: list[str]) -> tuple[int, str]:
 def run_plot_example(store_dir: str, out_dir: str) -> list[str]:
     import importlib.util
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+    root = os.path.dirname(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    )
     spec = importlib.util.spec_from_file_location("plot_dmi", os.path.join(root, "examples", "plot_dmi.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -268,10 +347,12 @@ def ingest_and_count(store_dir: str, spool: str, env: dict | None = None) -> dic
         b.ensure_schema()
         r = ingest_spool(b, spool, delete=True)
         q = lambda sql: b.query_arrow(sql).to_pylist()  # noqa: E731
-        return {"result": dataclasses.asdict(r),
-                "tensors": q("SELECT phase, iteration, microbatch, layer, payload FROM dmi.tensors FINAL"),
-                "quarantine": q("SELECT row, reason, iteration FROM dmi.quarantine ORDER BY row"),
-                "segments": q("SELECT status, rows FROM dmi.segments WHERE kind = 'tensors'")}
+        return {
+            "result": dataclasses.asdict(r),
+            "tensors": q("SELECT phase, iteration, microbatch, layer, payload FROM dmi.tensors FINAL"),
+            "quarantine": q("SELECT row, reason, iteration FROM dmi.quarantine ORDER BY row"),
+            "segments": q("SELECT status, rows FROM dmi.segments WHERE kind = 'tensors'"),
+        }
     finally:
         b.close()
 

@@ -13,24 +13,48 @@ CASES = {
     "malformed layers": (["--dmi-hooks", "router", "--dmi-layers", "4-1"], "--dmi-layers", "4-1"),
     "non-positive interval": (["--dmi-hooks", "router", "--dmi-interval", "0"], "--dmi-interval", "'0'"),
     "ring smaller than a record": (["--dmi-hooks", "attn", "--dmi-ring-mb", "0.001"], "--dmi-ring-mb", "cannot hold"),
-    "unreachable server": (["--dmi-hooks", "router", "--dmi-clickhouse-url", "http://127.0.0.1:1"],
-                           "--dmi-clickhouse-url", "unreachable"),
+    "unreachable server": (
+        ["--dmi-hooks", "router", "--dmi-clickhouse-url", "http://127.0.0.1:1"],
+        "--dmi-clickhouse-url",
+        "unreachable",
+    ),
     "context parallelism": (["--dmi-hooks", "router", "--context-parallel-size", "2"], "--dmi-hooks", "context"),
-    "layers beyond the model": (["--dmi-hooks", "router", "--dmi-layers", "1,5"], "--dmi-layers",
-                                "layer(s) 5 not in this model: --num-layers 2 has layers 0-1"),
-    "ring smaller than a residual record": (["--dmi-hooks", "resid", "--dmi-ring-mb", "0.01"], "--dmi-ring-mb",
-                                            "one record of 16384 bytes"),
-    "logits with multi-token prediction": (["--dmi-hooks", "loss,logits", "--mtp-num-layers", "1"], "--dmi-hooks",
-                                           "multi-token prediction"),
+    "layers beyond the model": (
+        ["--dmi-hooks", "router", "--dmi-layers", "1,5"],
+        "--dmi-layers",
+        "layer(s) 5 not in this model: --num-layers 2 has layers 0-1",
+    ),
+    "ring smaller than a residual record": (
+        ["--dmi-hooks", "resid", "--dmi-ring-mb", "0.01"],
+        "--dmi-ring-mb",
+        "one record of 16384 bytes",
+    ),
+    "logits with multi-token prediction": (
+        ["--dmi-hooks", "loss,logits", "--mtp-num-layers", "1"],
+        "--dmi-hooks",
+        "multi-token prediction",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_flag_fails_before_the_model_is_built(case, tmp_path):
     extra, flag, detail = CASES[case]
-    p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny_moe_args(), "--cpu-dev-mode",
-                        "--dmi-store-dir", str(tmp_path / "store"), *extra],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "pretrain_gpt.py"),
+            *tiny_moe_args(),
+            "--cpu-dev-mode",
+            "--dmi-store-dir",
+            str(tmp_path / "store"),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     out = p.stdout + p.stderr
     assert p.returncode != 0
     error = [line for line in out.splitlines() if f"error: argument {flag}" in line]
@@ -40,9 +64,22 @@ def test_bad_flag_fails_before_the_model_is_built(case, tmp_path):
 
 
 def test_a_value_argparse_rejects_prints_one_short_usage_line_before_the_error(tmp_path):
-    p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny_moe_args(), "--cpu-dev-mode",
-                        "--dmi-hooks", "router", "--dmi-interval", "0"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "pretrain_gpt.py"),
+            *tiny_moe_args(),
+            "--cpu-dev-mode",
+            "--dmi-hooks",
+            "router",
+            "--dmi-interval",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert p.returncode == 2
     lines = p.stderr.splitlines()
     error = next(i for i, line in enumerate(lines) if "error: argument --dmi-interval" in line)
@@ -52,6 +89,11 @@ def test_a_value_argparse_rejects_prints_one_short_usage_line_before_the_error(t
 
 
 def test_no_gpu_without_cpu_mode_says_what_to_do(tmp_path):
-    p = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny_moe_args()],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    p = subprocess.run(
+        [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny_moe_args()],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert p.returncode != 0 and "--cpu-dev-mode" in p.stderr

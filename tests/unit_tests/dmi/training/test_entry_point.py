@@ -19,9 +19,24 @@ LAYERS, MICROBATCHES, ITERS, ROUTER_OUTPUTS = 2, 2, 4, 4
 def test_console_script_trains_from_a_directory_outside_the_checkout(tmp_path):
     assert os.access(SCRIPT, os.X_OK), "pip install -e . creates the console script"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    p = subprocess.run([SCRIPT, *tiny_moe_args(), "--cpu-dev-mode", "--dmi-hooks", "router",
-                        "--dmi-persist", "spool", "--dmi-store-dir", str(tmp_path / "store")],
-                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    p = subprocess.run(
+        [
+            SCRIPT,
+            *tiny_moe_args(),
+            "--cpu-dev-mode",
+            "--dmi-hooks",
+            "router",
+            "--dmi-persist",
+            "spool",
+            "--dmi-store-dir",
+            str(tmp_path / "store"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
     captured = re.search(r"rank 0: captured (\d+) records", out)
@@ -31,8 +46,13 @@ def test_console_script_trains_from_a_directory_outside_the_checkout(tmp_path):
 
 
 def test_module_entry_answers_help_from_anywhere(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "megatron.training.dmi.pretrain_gpt", "--help"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-m", "megatron.training.dmi.pretrain_gpt", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert "--dmi-hooks" in p.stdout and "--cpu-dev-mode" in p.stdout
 
@@ -40,10 +60,27 @@ def test_module_entry_answers_help_from_anywhere(tmp_path):
 def test_wheel_ships_the_training_entry_and_its_console_script(tmp_path):
     # a copy of the sources, so that the build's own folders never land in the checkout
     source = tmp_path / "source"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
-                                                                "dmi_store"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path / "dist"), str(source)], check=True, capture_output=True, timeout=600, cwd=tmp_path)
+    shutil.copytree(
+        REPO, source, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__", "dmi_store")
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     (wheel,) = os.listdir(tmp_path / "dist")
     with zipfile.ZipFile(tmp_path / "dist" / wheel) as z:
         names = z.namelist()

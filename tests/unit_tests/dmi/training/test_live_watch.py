@@ -19,8 +19,9 @@ WATCH_SECONDS = 3.0
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_dmi", *argv], capture_output=True, text=True, cwd=REPO,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_dmi", *argv], capture_output=True, text=True, cwd=REPO, timeout=600
+    )
 
 
 def _frame(store: str, *extra: str) -> dict:
@@ -32,11 +33,24 @@ def _frame(store: str, *extra: str) -> dict:
 @pytest.mark.slow
 def test_watch_and_show_while_training(tmp_path):
     store = str(tmp_path / "store")
-    args = tiny_moe_args() + ["--train-iters", str(ITERS), "--dmi-hooks", "router", "--dmi-persist", "clickhouse",
-                              "--dmi-store-dir", store, "--cpu-dev-mode"]
+    args = tiny_moe_args() + [
+        "--train-iters",
+        str(ITERS),
+        "--dmi-hooks",
+        "router",
+        "--dmi-persist",
+        "clickhouse",
+        "--dmi-store-dir",
+        store,
+        "--cpu-dev-mode",
+    ]
     log = open(tmp_path / "train.log", "w")
-    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *args], cwd=str(tmp_path),
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *args],
+        cwd=str(tmp_path),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     live, shown = [], None
     try:
         deadline = time.monotonic() + 1200

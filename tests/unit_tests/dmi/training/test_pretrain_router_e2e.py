@@ -18,8 +18,9 @@ LAYERS, MICROBATCHES, ITERS, EXPERTS = 2, 2, 4, 4
 def run(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("e2e"))
     store = os.path.join(tmp, "store")
-    proc = run_pretrain(tiny_moe_args() + ["--dmi-hooks", "router", "--dmi-persist", "clickhouse",
-                                           "--dmi-store-dir", store], tmp)
+    proc = run_pretrain(
+        tiny_moe_args() + ["--dmi-hooks", "router", "--dmi-persist", "clickhouse", "--dmi-store-dir", store], tmp
+    )
     return proc, dump_store(store, tmp), load_oracle(tmp), store
 
 
@@ -28,8 +29,10 @@ def test_record_count_is_layers_x_microbatches_x_iterations(run):
     per_output = {}
     for r in dump["rows"]:
         per_output[r["output"]] = per_output.get(r["output"], 0) + 1
-    assert per_output == {o: LAYERS * MICROBATCHES * ITERS for o in
-                          ("router.logits", "router.topk_ids", "router.topk_probs", "router.expert_counts")}
+    assert per_output == {
+        o: LAYERS * MICROBATCHES * ITERS
+        for o in ("router.logits", "router.topk_ids", "router.topk_probs", "router.expert_counts")
+    }
 
 
 def test_stored_values_equal_the_oracle_bitwise(run):
@@ -61,8 +64,13 @@ def test_run_prints_dmi_line_and_report(run):
 
 def test_show_prints_expert_load(run):
     _, dump, _, store = run
-    out = subprocess.run([sys.executable, "-m", "megatron.core.dmi", "show", store], capture_output=True, text=True,
-                         cwd=REPO, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron.core.dmi", "show", store],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert dump["run_id"] in out.stdout and "expert load" in out.stdout
 
@@ -79,9 +87,14 @@ def test_run_row_describes_model_layout_command_line_and_versions(run):
     assert "--dmi-hooks" in list(attempt["command_line"])
     versions = json.loads(attempt["versions_json"])
     assert {"torch", "megatron-core", "megatron-dmi", "chdb", "pyarrow"} <= set(versions)
-    out = subprocess.run([sys.executable, "-m", "megatron.core.dmi", "describe", store, "--config"],
-                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron.core.dmi", "describe", store, "--config"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "layout: world_size=1 tp=1" in out.stdout and f"num_moe_experts={EXPERTS}" in out.stdout
-    described = json.loads(out.stdout[out.stdout.index("{"):])
+    described = json.loads(out.stdout[out.stdout.index("{") :])
     assert described["model"] == model and described["command_line"] == list(attempt["command_line"])

@@ -50,8 +50,11 @@ def run(request, tmp_path_factory):
 
     nproc, layout = LAYOUTS[request.param]
     tmp = str(tmp_path_factory.mktemp("scalars"))
-    run_pretrain(tiny_moe_args() + layout + ["--dmi-hooks", "router", "--dmi-persist", "none",
-                                             "--tensorboard-dir", f"{tmp}/tb"], tmp, nproc=nproc)
+    run_pretrain(
+        tiny_moe_args() + layout + ["--dmi-hooks", "router", "--dmi-persist", "none", "--tensorboard-dir", f"{tmp}/tb"],
+        tmp,
+        nproc=nproc,
+    )
     events = EventAccumulator(f"{tmp}/tb", size_guidance={"scalars": 0, "histograms": 0})
     events.Reload()
     oracle = {}
@@ -75,7 +78,11 @@ def test_every_layer_and_iteration_is_in_the_event_file(run):
     for metric in ("expert_load_imbalance", "drop_rate", "router_entropy"):
         for layer in range(LAYERS):
             assert [e.step for e in events.Scalars(f"dmi/{metric}/layer_{layer:02d}")] == list(range(1, ITERS + 1))
-    assert {"dmi/expert_load_imbalance/worst_layer", "dmi/drop_rate/all_layers", "dmi/router_entropy/all_layers"} <= tags
+    assert {
+        "dmi/expert_load_imbalance/worst_layer",
+        "dmi/drop_rate/all_layers",
+        "dmi/router_entropy/all_layers",
+    } <= tags
     assert "lm loss" in tags  # beside upstream's own scalars, in the same file
 
 

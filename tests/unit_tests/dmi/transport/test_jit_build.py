@@ -82,10 +82,12 @@ def test_cuda_build_compiles_without_a_gpu():
     import subprocess
     import sys
 
-    code = ("import importlib.util; from megatron.core.dmi.transport import jit; jit.load_host(); "
-            f"spec = importlib.util.spec_from_file_location({info['name']!r}, {info['library']!r}); "
-            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-            "print(m.SpoolThread.__name__, m.ROUTER_SELECT_MAX_K)")
+    code = (
+        "import importlib.util; from megatron.core.dmi.transport import jit; jit.load_host(); "
+        f"spec = importlib.util.spec_from_file_location({info['name']!r}, {info['library']!r}); "
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+        "print(m.SpoolThread.__name__, m.ROUTER_SELECT_MAX_K)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-2:] == ["SpoolThread", "32"]

@@ -16,11 +16,36 @@ from megatron.core.dmi.transport.native import NativeRingTransport
 CPU = torch.device("cpu")
 
 
-def key_for(t: torch.Tensor, iteration: int = 1, *, layer: int = 0, output: str = "router.logits", microbatch: int = 0,
-            phase: str = "train", invocation: int = 0, attempt: int = 0) -> RecordKey:
+def key_for(
+    t: torch.Tensor,
+    iteration: int = 1,
+    *,
+    layer: int = 0,
+    output: str = "router.logits",
+    microbatch: int = 0,
+    phase: str = "train",
+    invocation: int = 0,
+    attempt: int = 0,
+) -> RecordKey:
     rows = t.shape[0] if t.dim() else 1
-    return RecordKey("run", phase, iteration, attempt, microbatch, invocation, layer, output, ParallelCoords(rank=3, tp=1),
-                     0, 1, 0, rows, rows, dtype_name(t.dtype), tuple(t.shape))
+    return RecordKey(
+        "run",
+        phase,
+        iteration,
+        attempt,
+        microbatch,
+        invocation,
+        layer,
+        output,
+        ParallelCoords(rank=3, tp=1),
+        0,
+        1,
+        0,
+        rows,
+        rows,
+        dtype_name(t.dtype),
+        tuple(t.shape),
+    )
 
 
 def ring(nbytes, on_full="drop", **kw) -> NativeRingTransport:
@@ -199,8 +224,11 @@ def test_gate_word_and_producer_mask():
 
 def test_keys_come_from_the_descriptor_context_block():
     r = ring(16 * SLOT_ALIGN)
-    sites = [r.register_site(key_for(slot_tensor(0), layer=layer, output=out))
-             for layer in (0, 5) for out in ("router.logits", "attn.context")]
+    sites = [
+        r.register_site(key_for(slot_tensor(0), layer=layer, output=out))
+        for layer in (0, 5)
+        for out in ("router.logits", "attn.context")
+    ]
     assert len(set(sites)) == 4
     assert r.register_site(key_for(slot_tensor(0), iteration=77, layer=5, output="attn.context")) == sites[3]
     expected = []
@@ -216,7 +244,12 @@ def test_keys_come_from_the_descriptor_context_block():
     for rec, (it, mb, s) in zip(out, expected):
         tmpl = r.site_key(s)
         assert (rec.key.iteration, rec.key.microbatch, rec.key.attempt, rec.key.phase, rec.key.invocation) == (
-            it, mb, 2, "valid", mb)
+            it,
+            mb,
+            2,
+            "valid",
+            mb,
+        )
         assert (rec.key.layer, rec.key.output, rec.key.coords) == (tmpl.layer, tmpl.output, tmpl.coords)
         assert torch.equal(rec.tensor(), slot_tensor(it * 100 + mb * 10 + s))
 

@@ -21,9 +21,24 @@ from megatron.core.dmi.transport.native import NativeRingTransport
 
 
 def key(i: int, x: torch.Tensor, phase: str = "train") -> RecordKey:
-    return RecordKey("run-n", phase, 1 + i // 4, 2, i % 4, i % 2, i % 5, "attn.context", ParallelCoords(rank=3, tp=1),
-                     0, 1, 0, x.shape[0], x.shape[0], "bfloat16" if x.dtype == torch.bfloat16 else "float32",
-                     tuple(x.shape))
+    return RecordKey(
+        "run-n",
+        phase,
+        1 + i // 4,
+        2,
+        i % 4,
+        i % 2,
+        i % 5,
+        "attn.context",
+        ParallelCoords(rank=3, tp=1),
+        0,
+        1,
+        0,
+        x.shape[0],
+        x.shape[0],
+        "bfloat16" if x.dtype == torch.bfloat16 else "float32",
+        tuple(x.shape),
+    )
 
 
 def publish_many(t: NativeRingTransport, n: int, start: int = 0) -> dict:
@@ -48,7 +63,13 @@ def check_rows(rows: list[dict], sent: dict) -> None:
         payload = x.contiguous().view(torch.uint8).numpy().tobytes()
         assert r["payload"] == payload
         assert r["checksum"] == zlib.crc32(payload)
-        assert (r["run_id"], r["phase"], r["attempt"], r["output"], r["dtype"]) == (k.run_id, k.phase, 2, k.output, k.dtype)
+        assert (r["run_id"], r["phase"], r["attempt"], r["output"], r["dtype"]) == (
+            k.run_id,
+            k.phase,
+            2,
+            k.output,
+            k.dtype,
+        )
         assert tuple(r["shape"]) == k.shape and (r["rank"], r["tp"]) == (3, 1)
 
 

@@ -8,8 +8,24 @@ from megatron.core.dmi.transport.native import NativeRingTransport
 
 
 def _key(t, output):
-    return RecordKey("run", "train", 0, 0, 0, 0, 0, output, ParallelCoords(), 0, 1, 0, t.shape[0], t.shape[0],
-                     dtype_name(t.dtype), tuple(t.shape))
+    return RecordKey(
+        "run",
+        "train",
+        0,
+        0,
+        0,
+        0,
+        0,
+        output,
+        ParallelCoords(),
+        0,
+        1,
+        0,
+        t.shape[0],
+        t.shape[0],
+        dtype_name(t.dtype),
+        tuple(t.shape),
+    )
 
 
 def test_compiled_function_records_every_capture_once_in_order():

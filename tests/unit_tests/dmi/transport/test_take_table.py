@@ -20,8 +20,16 @@ def publish_mixed(r: NativeRingTransport, n: int, seed: int = 0) -> list[torch.T
     for i in range(n):
         rows = [0, 1, 3, 50, 700][i % 5]
         t = torch.randn(rows, 4, generator=g).to([torch.float32, torch.bfloat16, torch.float16][i % 3])
-        k = key_for(t, iteration=i // 4 + 1, layer=i % 3, microbatch=i % 4, phase=("train", "valid")[i % 2],
-                    invocation=i % 2, attempt=i % 3, output=("router.logits", "attn.context")[i % 2])
+        k = key_for(
+            t,
+            iteration=i // 4 + 1,
+            layer=i % 3,
+            microbatch=i % 4,
+            phase=("train", "valid")[i % 2],
+            invocation=i % 2,
+            attempt=i % 3,
+            output=("router.logits", "attn.context")[i % 2],
+        )
         assert r.publish(k, t)
         out.append((k, t))
     r.sync_drain()

@@ -12,8 +12,24 @@ CPU = torch.device("cpu")
 
 
 def key(t: torch.Tensor, i: int) -> RecordKey:
-    return RecordKey("run", "train", i, 0, 0, 0, 0, "router.logits", ParallelCoords(), 0, 1, 0, t.shape[0],
-                     t.shape[0], dtype_name(t.dtype), tuple(t.shape))
+    return RecordKey(
+        "run",
+        "train",
+        i,
+        0,
+        0,
+        0,
+        0,
+        "router.logits",
+        ParallelCoords(),
+        0,
+        1,
+        0,
+        t.shape[0],
+        t.shape[0],
+        dtype_name(t.dtype),
+        tuple(t.shape),
+    )
 
 
 def tensor(i: int, rows: int = 16) -> torch.Tensor:
