@@ -6,7 +6,9 @@ questions (expert load, dropped tokens, router entropy, attention patterns).
         print(store.runs())
         logits = store.tensor(run_id, "router.logits", iteration=10, layer=3)
 
-Names are imported on first use: reading a store needs pyarrow, pandas and chDB, not torch.
+Names are imported on first use: reading a store needs pyarrow, pandas and chDB, not torch. The
+tensor rebuild itself is ``megatron.core.dmi.reader.reconstruct.reconstruct``: a lazy name equal to
+a submodule's would be replaced by the submodule as soon as anything imports it.
 """
 
 import importlib
@@ -19,7 +21,6 @@ _MODULE_OF = {
     "StoreError": "errors",
     "ReconstructionError": "errors",
     "AmbiguousLayerError": "errors",
-    "reconstruct": "reconstruct",
     "StoreBusyError": "megatron.core.dmi.sinks.backend",
     "SchemaVersionError": "megatron.core.dmi.sinks.schema",
 }

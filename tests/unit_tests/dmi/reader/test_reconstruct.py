@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megatron.core.dmi.reader import ReconstructionError, reconstruct
+from megatron.core.dmi.reader import ReconstructionError
+from megatron.core.dmi.reader.reconstruct import reconstruct
 from megatron.core.dmi.records import Record
 from tests.unit_tests.dmi.sinks.workers import make_key, rec
 
