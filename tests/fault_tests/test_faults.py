@@ -181,7 +181,10 @@ def test_corrupt_and_truncated_spool_segments_are_reported_and_the_rest_loads(sp
     target = str(tmp_path / "loaded")
     rc, msg = cli("load", spool, "--store", target)
     assert rc == 1, msg  # the loader says something was wrong
-    assert f"{4 * PER_ITER - lost + kept} record(s)" in msg and "1 corrupt, 1 partly quarantined" in msg, msg
+    # where half the file ends decides whether any block before the cut verifies (segments also close
+    # by time, so their block count varies): none verifying makes the cut segment corrupt as a whole
+    damage = "1 corrupt, 1 partly quarantined" if kept else "2 corrupt, 0 partly quarantined"
+    assert f"{4 * PER_ITER - lost + kept} record(s)" in msg and damage in msg, msg
     assert os.path.basename(segs[1]) in msg and os.path.basename(segs[2]) in msg
     assert "are missing" not in msg and "0 missing" in msg  # a damaged segment is not a deleted one
     run = only_run(read_store(target)[0])
