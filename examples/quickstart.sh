@@ -13,4 +13,4 @@ if .venv/bin/python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available
 fi
 .venv/bin/python pretrain_gpt.py "${TINY_MOE_ARGS[@]}" "${DEVICE_ARGS[@]}" \
   --dmi-hooks router --dmi-persist clickhouse --dmi-store-dir "$STORE" 2>&1 | grep -E "DMI|iteration +[0-9]+/|rank [0-9]+:"
-.venv/bin/python -m megatron.core.dmi show "$STORE"
+.venv/bin/megatron-dmi show "$STORE"  # the fast reading CLI (no megatron-core import, no warnings)
