@@ -42,20 +42,7 @@ def derive_expert_counts(tensors: pa.Table) -> pa.Table:
     sub = tensors.filter(mask)
     cols: dict[str, list] = {n: [] for n in S.EXPERT_COUNTS_SCHEMA.names}
     if sub.num_rows:
-        keep = [
-            "run_id",
-            "phase",
-            "iteration",
-            "attempt",
-            "microbatch",
-            "invocation",
-            "layer",
-            "rank",
-            "dp",
-            "token_start",
-            "token_end",
-            "token_total",
-        ]
+        keep = list(S.EXPERT_COUNT_KEYS)
         rows = sub.select(keep + ["dtype", "shape", "payload"]).to_pylist()
         for row in rows:
             shape = row["shape"]

@@ -109,7 +109,8 @@ REPORTS_SCHEMA = pa.schema(
     ]
 )
 
-_EXPERT_COUNT_KEYS = (
+# The key columns an expert_counts row keeps from its router.expert_counts record.
+EXPERT_COUNT_KEYS = (
     "run_id",
     "phase",
     "iteration",
@@ -125,7 +126,7 @@ _EXPERT_COUNT_KEYS = (
 )
 EXPERT_COUNTS_SCHEMA = pa.schema(
     [
-        *(c for c in KEY_COLUMNS if c[0] in _EXPERT_COUNT_KEYS),
+        *(c for c in KEY_COLUMNS if c[0] in EXPERT_COUNT_KEYS),
         ("expert", pa.int32()),
         ("tokens_pre", pa.int64()),
         ("tokens_post", pa.int64()),
