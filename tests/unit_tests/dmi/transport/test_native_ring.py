@@ -184,9 +184,9 @@ def test_block_mode_gives_up_after_the_timeout_and_counts_a_drop():
         r.sync_drain()
     t0 = time.perf_counter()
     assert not r.publish(key_for(slot_tensor(2), 2), slot_tensor(2))
-    assert 0.15 < time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 > 0.15  # it waited for its block timeout before dropping
     assert r.ring_state()["timeouts"] == 1 and r.stats.dropped == 1
-    assert r.stats.blocked == 1 and 0.15 < r.stats.blocked_seconds < 5  # the wait is counted, drop or not
+    assert r.stats.blocked == 1 and r.stats.blocked_seconds > 0.15  # the wait is counted, drop or not
     assert [rec.key.iteration for rec in r.drain_all()] == [0, 1]
 
 
