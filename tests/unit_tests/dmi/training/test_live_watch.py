@@ -15,7 +15,6 @@ from tests.functional_tests.launch import REPO, tiny_moe_args
 from tests.unit_tests.dmi.sinks import workers as W
 
 LAYERS, MICROBATCHES, ITERS, OUTPUTS = 2, 2, 120, 4
-WATCH_SECONDS = 3.0
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
@@ -30,9 +29,14 @@ def _frame(store: str, *extra: str) -> dict:
     return json.loads(p.stdout)
 
 
+PAUSES = (40, 80)  # the run waits at the start of these iterations while the test reads the store
+
+
 @pytest.mark.slow
 def test_watch_and_show_while_training(tmp_path):
     store = str(tmp_path / "store")
+    signals = tmp_path / "signals"
+    signals.mkdir()
     args = tiny_moe_args() + [
         "--train-iters",
         str(ITERS),
@@ -45,36 +49,39 @@ def test_watch_and_show_while_training(tmp_path):
         "--cpu-dev-mode",
     ]
     log = open(tmp_path / "train.log", "w")
+    env = dict(os.environ, DMI_PAUSE_AT=",".join(map(str, PAUSES)), DMI_PAUSE_DIR=str(signals))
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *args],
+        [sys.executable, os.path.join(os.path.dirname(__file__), "paused_launch.py"), *args],
         cwd=str(tmp_path),
         stdout=log,
         stderr=subprocess.STDOUT,
+        env=env,
     )
     live, shown = [], None
     try:
-        deadline = time.monotonic() + 1200
-        while proc.poll() is None and time.monotonic() < deadline:
-            if not os.path.isdir(os.path.join(store, "chdb")):
-                time.sleep(0.5)
-                continue
-            time.sleep(WATCH_SECONDS)  # a watcher's pace: the run shares this machine's cores
-            f = _frame(store, "--no-entropy")
-            if proc.poll() is None and f["records"]:  # taken while the run was still training
-                live.append(f)
-                if shown is None:
-                    s = _cli("show", store)
-                    assert s.returncode == 0 and s.stderr == "", s.stderr
-                    shown = s.stdout if proc.poll() is None else None
-        rc = proc.wait(timeout=600)
+        for iteration in PAUSES:
+            deadline = time.monotonic() + 1200
+            while not (signals / f"paused-{iteration}").exists():
+                assert proc.poll() is None and time.monotonic() < deadline, open(tmp_path / "train.log").read()[-3000:]
+                time.sleep(0.2)
+            # the run is paused mid-training: a reader must see what it flushed, beside its ingester
+            live.append((iteration, _frame(store, "--no-entropy")))
+            if shown is None:
+                s = _cli("show", store)
+                assert s.returncode == 0 and s.stderr == "", s.stderr
+                shown = s.stdout
+            (signals / f"resume-{iteration}").touch()
+        rc = proc.wait(timeout=1200)
     finally:
         if proc.poll() is None:
             proc.kill()
         log.close()
     assert rc == 0, open(tmp_path / "train.log").read()[-3000:]
-    records = [f["records"] for f in live]
-    assert len(records) >= 2 and records == sorted(records) and records[-1] > records[0], records
+    records = [f["records"] for _, f in live]
+    # everything captured before each pause, and no more: the numbers grow with the run
+    assert records == [(it - 1) * LAYERS * MICROBATCHES * OUTPUTS for it in PAUSES], records
     assert shown is not None and "records per output:" in shown and "expert load" in shown
+    live = [f for _, f in live]
 
     final = _frame(store)
     assert final["records"] == LAYERS * MICROBATCHES * ITERS * OUTPUTS
