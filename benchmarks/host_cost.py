@@ -34,6 +34,7 @@ from hook_clock import HookClock  # benchmarks/ is the script directory
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.core import parallel_state as ps
@@ -60,7 +61,9 @@ def init(on_gpu: bool) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
-def build_model(a, device: torch.device) -> GPTModel:
+def build_model(a, device: torch.device) -> torch.nn.Module:
+    """The MoE GPT; on the GPU in bf16 behind megatron-core's Float16Module (which casts the
+    embedding's output to bf16), as training runs it."""
     on_gpu = device.type == "cuda"
     config = TransformerConfig(
         num_layers=a.layers,
@@ -84,7 +87,8 @@ def build_model(a, device: torch.device) -> GPTModel:
         attention_dropout=0.0,
     )
     spec = get_gpt_layer_local_spec(num_experts=a.experts, moe_grouped_gemm=False)
-    return GPTModel(config, spec, vocab_size=a.vocab, max_sequence_length=a.seq).to(device)
+    model = GPTModel(config, spec, vocab_size=a.vocab, max_sequence_length=a.seq).to(device)
+    return Float16Module(config, model) if on_gpu else model
 
 
 def clock_group(model, group: str, a, device, store: str) -> dict:

@@ -94,9 +94,13 @@ def attention_oracle(layer_number):
         microbatch = attn_calls[(iteration, layer)]
         attn_calls[(iteration, layer)] += 1
         context = output[0] if isinstance(output, tuple) else output
-        with torch.no_grad():
-            context = _gather_tp(context.detach(), -1)  # heads are split over TP ranks
-        oracle.setdefault((iteration, microbatch, layer), {})["attn.context"] = context.cpu().clone()
+        with torch.no_grad():  # heads are split over TP ranks: the context's last dim, q/k's second last
+            seen = {
+                "attn.context": _gather_tp(context.detach(), -1),
+                "attn.q": _gather_tp(args[0].detach(), -2),
+                "attn.k": _gather_tp(args[1].detach(), -2),
+            }
+        oracle.setdefault((iteration, microbatch, layer), {}).update({o: t.cpu().clone() for o, t in seen.items()})
 
     return hook
 

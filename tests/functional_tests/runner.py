@@ -14,8 +14,9 @@ A case is ``test_cases/<model>/<case>/model_config.yaml``:
     NPROC: 1                            # processes (python for 1, torch.distributed.run for more)
     TEST_TYPE: regular | ckpt-resume    # ckpt-resume: killed (SIGKILL) after KILL_AFTER_ITER, resumed with --load
     KILL_AFTER_ITER: 3
-    MODEL_ARGS: {--flag: value}         # value true: a bare flag; ${CHECKPOINT_PATH}, ${DMI_STORE} substituted
-    PLATFORM_ARGS: {cpu: {...}, h200: {...}}   # extra flags per platform
+    MODEL_ARGS: {--flag: value}         # value true: a bare flag, a list: several values;
+                                        # ${CHECKPOINT_PATH}, ${DMI_STORE} substituted
+    PLATFORM_ARGS: {cpu: {...}, h200: {...}, h200_te: {...}}   # extra flags per platform
 
 and its golden values ``golden_values_<env>_<platform>.json``:
 
@@ -50,6 +51,10 @@ LOSS_RTOL = 0.05
 _LOSS_RE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+\-naninf]+)")
 
 
+# h200_te: the H200 with Transformer Engine installed (shared/te-h200), for the TE-spec cases
+PLATFORMS = ("cpu", "h200", "h200_te")
+
+
 class CaseFailure(AssertionError):
     pass
 
@@ -77,22 +82,26 @@ def golden_path(case_dir: str, platform: str, env: str = "dev") -> str:
     return os.path.join(case_dir, f"golden_values_{env}_{platform}.json")
 
 
-def model_args(cfg: dict, platform: str, subst: dict[str, str]) -> list[str]:
+def model_args(cfg: dict, platform: str, subst: dict[str, str], dmi: bool = True) -> list[str]:
+    """The case's command line on ``platform``; ``dmi=False``: the same training with every
+    ``--dmi-*`` flag left out (the DMI-off twin a loss is compared with)."""
     flags = dict(cfg.get("MODEL_ARGS") or {})
     flags.update((cfg.get("PLATFORM_ARGS") or {}).get(platform) or {})
     out: list[str] = []
     for flag, value in flags.items():
-        if value is False or value is None:
+        if value is False or value is None or (not dmi and flag.startswith("--dmi-")):
             continue
         out.append(flag)
-        if value is not True:
+        if isinstance(value, list):  # a flag that takes several values (nargs="+")
+            out += [str(v) for v in value]
+        elif value is not True:
             value = str(value)
             for k, v in subst.items():
                 value = value.replace("${" + k + "}", v)
             out.append(value)
     if platform == "cpu":
         out.append("--cpu-dev-mode")
-    else:  # no chDB on the GPU machines: spool, loaded later with `python -m megatron.core.dmi load`
+    elif dmi:  # no chDB on the GPU machines: spool, loaded later with `python -m megatron.core.dmi load`
         out += ["--dmi-persist", "spool"]
     return out
 
@@ -226,6 +235,7 @@ def run_case(
     compare_only: bool = False,
     oracle: bool = False,
     launch_only: bool = False,
+    dmi: bool = True,
 ) -> dict:
     """Run one case (or, with ``compare_only``, read a workdir a GPU run left) and return
     {"summary", "dump", "logs", "workdir"}. Raises CaseFailure if a run fails. ``launch_only``:
@@ -239,7 +249,7 @@ def run_case(
         "DMI_STORE": store,
         "TENSORBOARD_PATH": os.path.join(workdir, "tensorboard"),
     }
-    args = model_args(cfg, platform, subst)
+    args = model_args(cfg, platform, subst, dmi=dmi)
     nproc = int(cfg["NPROC"])
     env_vars = {**(CPU_ISA_ENV if platform == "cpu" else {}), **cfg["ENV_VARS"]}
     logs: list[str] = []
@@ -331,17 +341,25 @@ def all_cases(root: str = CASES) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--case", action="append", help="case directory (repeatable; default: every case)")
-    p.add_argument("--platform", default="cpu", choices=("cpu", "h200"))
+    p.add_argument("--platform", default="cpu", choices=PLATFORMS)
     p.add_argument("--record-golden", action="store_true", help="write golden_values_dev_<platform>.json")
     p.add_argument("--workdir", default=None, help="keep logs, store and spool here (one case)")
     p.add_argument("--compare-only", action="store_true", help="do not launch: read --workdir's logs and spool")
     p.add_argument("--launch-only", action="store_true", help="train and keep --workdir, read nothing (GPU machine)")
+    p.add_argument(
+        "--oracle", action="store_true", help="with --launch-only: also keep the in-run oracle (oracle_launch.py)"
+    )
+    p.add_argument(
+        "--no-dmi", action="store_true", help="with --launch-only: the same training without any --dmi-* flag"
+    )
     a = p.parse_args(argv)
     if a.launch_only and (a.compare_only or a.record_golden):
         p.error("--launch-only cannot be combined with --compare-only or --record-golden")
-    cases = a.case or all_cases()
-    if a.platform != "cpu":
-        cases = [c for c in cases if (load_case(c).get("PLATFORMS") or ["cpu", "h200"]).count(a.platform)]
+    if (a.oracle or a.no_dmi) and not a.launch_only:
+        p.error("--oracle and --no-dmi go with --launch-only")
+    cases = a.case or [  # every case of the platform; named cases run as asked
+        c for c in all_cases() if a.platform in (load_case(c).get("PLATFORMS") or ["cpu", "h200"])
+    ]
     failed = 0
     for case in cases:
         t0 = time.monotonic()
@@ -356,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             if a.launch_only:
-                run_case(case, a.platform, workdir=workdir, launch_only=True)
+                run_case(case, a.platform, workdir=workdir, launch_only=True, oracle=a.oracle, dmi=not a.no_dmi)
                 print(f"LAUNCHED {case} -> {workdir} ({time.monotonic() - t0:.1f} s)")
             elif a.record_golden:
                 path = record_golden(case, a.platform, workdir=workdir, compare_only=a.compare_only)

@@ -22,6 +22,7 @@ import torch
 from megatron.core.dmi import catalog
 from tests.functional_tests import runner
 from tests.functional_tests.layouts import BASE_ARGS, BY_NAME, LAYOUTS, Layout, expected_record_counts
+from tests.functional_tests.oracle_compare import bitwise, topk_consistent
 
 ROUTER = ("router.logits", "router.topk_ids", "router.topk_probs", "router.expert_counts")
 ALL = ROUTER + ("attn.context",)
@@ -98,33 +99,6 @@ def _run(name: str, layout: Layout | None, tmp_path_factory) -> dict:
     return _cache[name]
 
 
-def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point():
-        return torch.equal(
-            a.contiguous().view(
-                torch.uint8
-                if a.element_size() == 1
-                else {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-            ),
-            b.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[b.element_size()]),
-        )
-    return torch.equal(a, b)
-
-
-def _topk_consistent(ids, probs, seen, experts=4) -> bool:
-    chosen = torch.zeros_like(seen["routing_map"])
-    kept = ids < experts
-    rows = torch.arange(ids.shape[0]).unsqueeze(1).expand_as(ids)
-    chosen[rows[kept], ids[kept].long()] = True
-    return (
-        torch.equal(chosen, seen["routing_map"])
-        and torch.equal(probs[kept], seen["probs"][rows[kept], ids[kept].long()])
-        and bool(torch.all(probs[~kept] == 0))
-    )
-
-
 @pytest.mark.parametrize("name", [l.name for l in LAYOUTS])
 def test_layout(name, tmp_path_factory):
     layout = BY_NAME[name]
@@ -152,25 +126,25 @@ def test_layout(name, tmp_path_factory):
         for (it, mb, layer), seen in entries.items():
             key = ("train", it, mb, layer)
             got = {o: dump["tensors"][key + (o, 0, dp)] for o in (("attn.context",) if layout.dense else ALL)}
-            assert _bitwise(got["attn.context"], seen["attn.context"]), (name, key, dp)
+            assert bitwise(got["attn.context"], seen["attn.context"]), (name, key, dp)
             compared += 1
             for output in RESID_MLP:
                 if output in seen and (output != "router.weight" or dp == 0):
-                    assert _bitwise(dump["tensors"][key + (output, 0, dp)], seen[output]), (name, key, dp, output)
+                    assert bitwise(dump["tensors"][key + (output, 0, dp)], seen[output]), (name, key, dp, output)
                     compared_resid[output] = compared_resid.get(output, 0) + 1
             if "logits" in seen:  # the merged vocabulary shards vs plain torch on the gathered logits
                 logits, labels = seen["logits"].float(), seen["labels"]
                 top = torch.topk(logits, 8, dim=-1)
                 merged = dump["tensors"][key + ("logits.topk", 0, dp)]
-                assert _bitwise(merged[..., 0], top.values) and torch.equal(merged[..., 1].long(), top.indices), key
+                assert bitwise(merged[..., 0], top.values) and torch.equal(merged[..., 1].long(), top.indices), key
                 want = torch.log_softmax(logits.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
                 torch.testing.assert_close(dump["tensors"][key + ("logits.target", 0, dp)], want, rtol=0, atol=1e-5)
                 for output in ("logits.topk", "logits.target"):
                     compared_resid[output] = compared_resid.get(output, 0) + 1
             if layout.dense:
                 continue
-            assert _bitwise(got["router.logits"], seen["router.logits"]), (name, key, dp)
-            assert _topk_consistent(got["router.topk_ids"], got["router.topk_probs"], seen), (name, key, dp)
+            assert bitwise(got["router.logits"], seen["router.logits"]), (name, key, dp)
+            assert topk_consistent(got["router.topk_ids"], got["router.topk_probs"], seen), (name, key, dp)
             counts_after = seen["routing_map"].sum(0).to(torch.int32)
             assert torch.equal(got["router.expert_counts"][1], counts_after), (name, key, dp)
     tp = int(layout.value("--tensor-model-parallel-size", "1"))
@@ -201,7 +175,7 @@ def test_layout(name, tmp_path_factory):
         if it != 1:
             continue
         ref = single[(phase, 1, mb * dp_size + dp, layer, output, inv, 0)]
-        if _bitwise(t, ref):
+        if bitwise(t, ref):
             equal.add((output, layer, mb, dp))
 
     def slots(output):  # the (microbatch, dp) records of one iteration (a weight: microbatch 0 of DP 0)

@@ -25,13 +25,15 @@ GATE_REPLAY = 2
 
 
 def in_graph_warmup() -> bool:
-    """megatron-core runs each layer eagerly a few times before capturing its CUDA graphs; those
+    """megatron-core runs layers eagerly before capturing their CUDA graphs: its local
+    implementation's warm-up steps, and TE's ``make_graphed_callables`` warm-up on sample inputs,
+    which runs while megatron-core marks the graphs as being captured but no stream captures. Those
     runs are not training forwards and must not be recorded."""
     try:
-        from megatron.core.transformer.cuda_graphs import is_graph_warmup
+        from megatron.core.transformer.cuda_graphs import is_graph_capturing, is_graph_warmup
     except ImportError:
         return False
-    return is_graph_warmup()
+    return is_graph_warmup() or (is_graph_capturing() and not capturing_graph())
 
 
 def inside_backward() -> bool:

@@ -333,6 +333,13 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
                 "--dmi-record-replays",
                 "recompute replays cannot be recorded under CUDA graphs; they are rejected by the device gate",
             )
+        if "full_iteration" in [getattr(s, "name", s) for s in (getattr(args, "cuda_graph_scope", None) or [])]:
+            _fail(
+                "--cuda-graph-scope",
+                "full_iteration graphs replay every microbatch's forward without Python, so DMI cannot tell "
+                "the microbatches apart; graph per layer or per sub-layer scope (attn, mlp, moe, moe_router, "
+                "moe_preprocess, or none for whole layers) instead",
+            )
     store_dir = config_from_args(args).store_dir
     try:
         os.makedirs(store_dir, mode=0o700, exist_ok=True)

@@ -29,6 +29,12 @@ CASES = {
         "--dmi-ring-mb",
         "one record of 16384 bytes",
     ),
+    "full-iteration CUDA graph": (
+        ["--dmi-hooks", "router", "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
+        + ["--no-check-for-nan-in-loss-and-grad"],
+        "--cuda-graph-scope",
+        "full_iteration graphs replay every microbatch",
+    ),
     "logits with multi-token prediction": (
         ["--dmi-hooks", "loss,logits", "--mtp-num-layers", "1"],
         "--dmi-hooks",
