@@ -487,6 +487,7 @@ def run_graphs(a, spool_root: str) -> tuple[dict, dict]:
     with torch.cuda.graph(graphs["graph_off"]):
         fwd_bwd()
     dmi = DMIArm(model, GRAPH_HOOKS, "native", a, spool_root)
+    dmi.capture.graphs = True  # the producers go into the graph, gated on the device at each replay
     dmi.capture.begin_step("train", 0)  # inactive step: eager firings would be skipped; capture ignores it
     graphs["graph_dmi"] = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graphs["graph_dmi"]):

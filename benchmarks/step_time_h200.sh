@@ -51,5 +51,5 @@ echo "load rc=$rc wall $(python3 -c "print(round($EPOCHREALTIME - $t0, 2))") s" 
 rm -rf $W/spool $W/loaded
 python3 -m megatron_dmi show $W/clickhouse > $OUT/show_clickhouse.txt 2>&1; echo "show rc=$?"; head -30 $OUT/show_clickhouse.txt
 du -sb $W/clickhouse | tee -a $OUT/spool_bytes.txt
-timeout 150 python3 benchmarks/host_cost.py --device cuda --out $OUT/host_cost_h200.json > $OUT/host_cost.log 2>&1
+timeout 150 python3 benchmarks/host_cost.py --device cuda --layers 8 --hidden 2048 --heads 16 --experts 16 --topk 4 --seq 4096 --micro-batch 2 --vocab 32768 --out $OUT/host_cost_h200.json > $OUT/host_cost.log 2>&1
 echo "host_cost rc=$?"; tail -8 $OUT/host_cost.log

@@ -71,8 +71,14 @@ class CaptureStats:
 
 
 class Capture:
-    def __init__(self, config: DMIConfig, transport: Transport, run_id: str, attempt: int):
+    def __init__(self, config: DMIConfig, transport: Transport, run_id: str, attempt: int, graphs: bool = False):
+        """``graphs``: the model's forwards may be captured into CUDA graphs, whose producers are
+        recorded whatever the step (they are gated on the device at every replay)."""
         self.config = config
+        self.graphs = graphs
+        # Nothing to record in this step: every site returns on this one attribute (an eager MoE
+        # step is host-bound, and uncaptured steps are most steps).
+        self.idle = True
         self.transport = transport
         self.run_id = run_id
         self.attempt = attempt
@@ -89,6 +95,7 @@ class Capture:
 
     def begin_step(self, phase: str, iteration: int) -> None:
         self.step = StepContext(phase, iteration, 0, self.config.captures_iteration(phase, iteration))
+        self.idle = not self.step.active and not self.graphs
         self._awaiting_replay.clear()
 
     def set_microbatch(self, microbatch: int) -> None:
@@ -97,6 +104,8 @@ class Capture:
     def wants(self, output: str, layer: int) -> bool:
         """Selected output and layer, in a captured step; while a CUDA graph is being captured the
         step does not matter: the graph's producer is gated on the device at every replay."""
+        if self.idle:
+            return False
         if output not in self.config.hooks or not self.config.captures_layer(layer) or in_graph_warmup():
             return False
         return self.step.active or capturing_graph()

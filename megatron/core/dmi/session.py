@@ -138,7 +138,7 @@ class DMISession:
         self.coords = rank_coords()
         self.transport = open_transport(config, device or default_device())
         self.sink = open_sink(config, self.coords, self.run_id, is_ingester=int(os.environ.get("LOCAL_RANK", "0")) == 0)
-        self.capture = Capture(config, self.transport, self.run_id, self.attempt)
+        self.capture = Capture(config, self.transport, self.run_id, self.attempt, graphs=cuda_graphs)
         self.hooks = HookSet(self.capture)
         self.drain = Drain(self.transport, self.sink, batch_records=config.flush_records)
         self._chunks: dict[int, int] = {}  # id(unwrapped chunk) -> virtual pipeline stage

@@ -126,6 +126,8 @@ class TokenShards:
 
 def _publish_sequence(hooks: HookSet, layer: int, coords: ParallelCoords, shards: TokenShards, tensors: dict) -> None:
     """Publish [rows, ...] tensors whose dim 0 is this rank's tokens."""
+    if hooks.capture.idle:
+        return
     wanted = {o: t for o, t in tensors.items() if hooks.capture.wants(o, layer)}
     if not wanted:
         return
@@ -148,6 +150,8 @@ def _router_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoord
     def routing(logits: torch.Tensor, *args, **kwargs):
         probs, routing_map = original(logits, *args, **kwargs)
         pre = router_capture.take_pre_drop()
+        if capture.idle:
+            return probs, routing_map
         flat_logits = logits.reshape(-1, logits.shape[-1])
         where = shards.placement(flat_logits.shape[0])
         if where is None or not any(capture.wants(o, layer) for o in wanted):
@@ -185,7 +189,7 @@ def _attention_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCo
     wanted = catalog.outputs_of_group("attn", capture.config.hooks)
 
     def hook(module, args, kwargs, output):
-        if not any(capture.wants(o, layer) for o in wanted):
+        if capture.idle or not any(capture.wants(o, layer) for o in wanted):
             return
         query, key = args[0], args[1]
         context = output[0] if isinstance(output, tuple) else output
@@ -260,7 +264,7 @@ def _resid_block_site(hooks: HookSet, block: TransformerBlock, coords: ParallelC
         return
 
     def publish_weights(module, args, kwargs):
-        if capture.step.microbatch != 0:
+        if capture.idle or capture.step.microbatch != 0:
             return
         for layer, router in routers.items():
             if capture.wants("router.weight", layer):
@@ -283,7 +287,7 @@ def _loss_site(hooks: HookSet, model: LanguageModule, coords: ParallelCoords) ->
     layer = model.config.num_layers - 1
 
     def hook(module, args, kwargs, output):
-        if kwargs.get("labels") is None or not capture.wants("loss.token", layer):
+        if capture.idle or kwargs.get("labels") is None or not capture.wants("loss.token", layer):
             return
         with torch.no_grad():
             loss = output.detach().float().t()
