@@ -39,17 +39,31 @@ train() {  # name, extra args...
   echo "$name rc=$? $(grep -c 'elapsed time per iteration' $OUT/$name.log) iterations; $(grep -A1 'DMI end-of-run' $OUT/$name.log | tail -1)"
 }
 DMI=(--dmi-ring-mb 4096 --dmi-store-dir)
-train off
-train alt_router --dmi-hooks router --dmi-interval 2 --dmi-persist spool "${DMI[@]}" $W/alt_router
-train alt_attn --dmi-hooks router,attn --dmi-interval 2 --dmi-persist spool "${DMI[@]}" $W/alt_attn
-train spool --dmi-hooks router,attn --dmi-persist spool "${DMI[@]}" $W/spool
-train clickhouse --dmi-hooks router,attn --dmi-persist clickhouse "${DMI[@]}" $W/clickhouse
+RUNS=${RUNS:-off alt_router alt_attn spool clickhouse}  # a subset: RUNS="off clickhouse"
+for run in $RUNS; do
+  case $run in
+    off) train off ;;
+    alt_router) train alt_router --dmi-hooks router --dmi-interval 2 --dmi-persist spool "${DMI[@]}" $W/alt_router ;;
+    alt_attn) train alt_attn --dmi-hooks router,attn --dmi-interval 2 --dmi-persist spool "${DMI[@]}" $W/alt_attn ;;
+    spool) train spool --dmi-hooks router,attn --dmi-persist spool "${DMI[@]}" $W/spool ;;
+    clickhouse) train clickhouse --dmi-hooks router,attn --dmi-persist clickhouse "${DMI[@]}" $W/clickhouse ;;
+  esac
+done
 rm -rf $W/alt_router $W/alt_attn
-du -sb $W/spool/spool | tee $OUT/spool_bytes.txt
-t0=$EPOCHREALTIME; python3 -m megatron_dmi load $W/spool/spool --store $W/loaded > $OUT/load.log 2>&1; rc=$?
-echo "load rc=$rc wall $(python3 -c "print(round($EPOCHREALTIME - $t0, 2))") s" | tee -a $OUT/load.log; tail -3 $OUT/load.log
-rm -rf $W/spool $W/loaded
-python3 -m megatron_dmi show $W/clickhouse > $OUT/show_clickhouse.txt 2>&1; echo "show rc=$?"; head -30 $OUT/show_clickhouse.txt
-du -sb $W/clickhouse | tee -a $OUT/spool_bytes.txt
-timeout 150 python3 benchmarks/host_cost.py --device cuda --layers 8 --hidden 2048 --heads 16 --experts 16 --topk 4 --seq 4096 --micro-batch 2 --vocab 32768 --out $OUT/host_cost_h200.json > $OUT/host_cost.log 2>&1
-echo "host_cost rc=$?"; tail -8 $OUT/host_cost.log
+if [ -d $W/spool ]; then  # ingest speed: the spool run's segments loaded into a fresh store
+  du -sb $W/spool/spool | tee $OUT/spool_bytes.txt
+  t0=$EPOCHREALTIME; python3 -m megatron_dmi load $W/spool/spool --store $W/loaded > $OUT/load.log 2>&1; rc=$?
+  echo "load rc=$rc wall $(python3 -c "print(round($EPOCHREALTIME - $t0, 2))") s" | tee -a $OUT/load.log; tail -3 $OUT/load.log
+  rm -rf $W/spool $W/loaded
+fi
+if [ -d $W/clickhouse ]; then
+  python3 -m megatron_dmi show $W/clickhouse > $OUT/show_clickhouse.txt 2>&1; echo "show rc=$?"; head -30 $OUT/show_clickhouse.txt
+  du -sb $W/clickhouse | tee -a $OUT/store_bytes.txt
+fi
+if [ "${WITH_HOST_COST:-1}" = 1 ]; then
+  timeout 150 python3 benchmarks/host_cost.py --device cuda --layers 8 --hidden 2048 --heads 16 --experts 16 --topk 4 \
+    --seq 4096 --micro-batch 2 --vocab 32768 --out $OUT/host_cost_h200.json > $OUT/host_cost.log 2>&1
+  echo "host_cost rc=$?"; tail -6 $OUT/host_cost.log
+fi
+# at most 8 files come back: the logs go in one archive
+(cd $OUT && tar czf step_time_logs.tgz *.log *.txt && rm -f *.log *.txt); ls $OUT

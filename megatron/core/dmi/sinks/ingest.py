@@ -130,7 +130,7 @@ class IngestResult:
     segments_skipped: int = 0  # already ingested
     segments_corrupt: int = 0  # nothing in them could be loaded
     segments_partial: int = 0  # loaded, with some records quarantined
-    segments_unverified: int = 0  # inserted but not read back whole: left in the spool for the next pass
+    segments_unverified: int = 0  # insert refused, or not read back whole: left in the spool for the next pass
     records_quarantined: int = 0
     rows: int = 0  # rows of every kind
     records: int = 0  # tensor records
@@ -245,12 +245,20 @@ def ingest_spool(
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         missing = np.zeros(table.num_rows, dtype=bool)
         derived_missing = 0
-        for name, t in load_table(backend, kind, table):
-            m = rows_missing(backend, name, t)
-            if name == kind:
-                missing = m
-            else:
-                derived_missing += int(m.sum())
+        try:
+            for name, t in load_table(backend, kind, table):
+                m = rows_missing(backend, name, t)
+                if name == kind:
+                    missing = m
+                else:
+                    derived_missing += int(m.sum())
+        except Exception as exc:  # the store refused the batch (disk full, server error): none of it counts
+            res.segments_unverified += len(batch)
+            res.note(
+                f"insert of {len(batch)} spool segment(s) ({table.num_rows} rows) failed: {exc}; "
+                "they stay in the spool and are retried"
+            )
+            return
         now = _now()
         rows = {n: [] for n in S.SEGMENTS_SCHEMA.names}
         done: list[_Pending] = []

@@ -1,6 +1,8 @@
 """The embedded store on a nearly full disk (issue 17 item 1), on a real 20 MiB tmpfs with a real
-chDB store: below about 1 MiB free chDB returns from an INSERT without an error and stores
-nothing. Ingest must not trust it: a segment leaves the spool only once its rows are read back,
+chDB store. Below about 1 MiB free chDB either refuses the insert (NOT_ENOUGH_SPACE, through the
+Python() table function the backend inserts with) or, with its streamed insert, returned without an
+error and stored nothing. Ingest trusts neither: a refused batch stays in the spool, a segment
+leaves the spool only once its rows are read back (a lossy insert is injected below to show it),
 and below the free-space margin ingest pauses and says so."""
 
 import os
@@ -34,15 +36,19 @@ def nearly_full_store(tmp_path):
         yield store
 
 
-def test_an_insert_that_stores_nothing_is_caught_and_its_segment_kept(nearly_full_store):
+# what ingest says when the store did not take a batch: refused, or taken and not found
+STORE_DID_NOT_TAKE = ("NOT_ENOUGH_SPACE", "not found in the store after the insert")
+
+
+def test_an_insert_the_full_disk_cannot_take_is_caught_and_its_segment_kept(nearly_full_store):
     store = nearly_full_store
     before = {os.path.basename(s.path) for s in list_segments(os.path.join(store, "spool"))}
     out = run_isolated(W.ingest_and_count, store, os.path.join(store, "spool"), {"DMI_STORE_MIN_FREE_MB": "0"})
     r = out["result"]
     left = {os.path.basename(s.path) for s in list_segments(os.path.join(store, "spool"))}
-    # the fault happened (chDB lost an insert) and was caught: before, the segment was deleted
+    # the fault happened (chDB could not store a batch) and was caught: the segment was kept
     assert r["segments_unverified"] >= 1 and left, r["errors"]
-    assert any("not found in the store after the insert" in e for e in r["errors"])
+    assert any(any(said in e for said in STORE_DID_NOT_TAKE) for e in r["errors"]), r["errors"]
     assert r["segments_loaded"] + len(left) == len(before)  # every segment: verified in, or still here
     assert sum(n for n, _ in r["verified"].values()) == len(out["tensors"])  # counted = what the store holds
 
@@ -55,3 +61,22 @@ def test_ingest_pauses_below_the_free_space_margin(nearly_full_store):
     assert r["paused"].startswith("ingest paused: the store's file system has 1.") and "16 MiB margin" in r["paused"]
     assert r["errors"] == [r["paused"]] and r["segments_loaded"] == 0 and out["tensors"] == []
     assert sorted(s.path for s in list_segments(os.path.join(store, "spool"))) == before  # nothing deleted
+
+
+def test_rows_an_insert_loses_silently_are_caught_by_the_read_back(tmp_path):
+    """An insert that returns without error and stores only part of its batch (injected: the
+    backend's insert drops every other row before a real chDB insert) is caught by reading the
+    batch back: those segments stay in the spool, and `verified` counts only what the store holds."""
+    store = str(tmp_path / "store")
+    run_isolated(W.ingest_and_count, store, os.path.join(store, "spool"))  # creates the store
+    sink = SpoolSink(W.RUN, ParallelCoords(rank=0), os.path.join(store, "spool"))
+    sink.write(RECORDS)
+    sink.close()
+    tensor_segments = {s.path for s in list_segments(os.path.join(store, "spool")) if s.kind == "tensors"}
+    out = run_isolated(W.ingest_and_count, store, os.path.join(store, "spool"), None, True)
+    r = out["result"]
+    left = {s.path for s in list_segments(os.path.join(store, "spool"))}
+    assert tensor_segments and tensor_segments <= left, r  # every tensor segment kept
+    assert r["segments_unverified"] == len(tensor_segments)
+    assert any("not found in the store after the insert" in e for e in r["errors"]), r["errors"]
+    assert sum(n for n, _ in r["verified"].values()) == 0

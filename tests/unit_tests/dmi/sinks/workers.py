@@ -335,14 +335,21 @@ def ingest_while_running(store_dir: str) -> dict:
     return {"emptied": emptied, "loaded_before_close": loaded, "report": dataclasses.asdict(rep)}
 
 
-def ingest_and_count(store_dir: str, spool: str, env: dict | None = None) -> dict:
+def ingest_and_count(store_dir: str, spool: str, env: dict | None = None, lossy_insert: bool = False) -> dict:
     """``ingest_spool`` (deleting what it loads) into the chDB store under ``store_dir``; returns
-    its result and, by plain SQL, the stored tensors, quarantine rows and segment rows."""
+    its result and, by plain SQL, the stored tensors, quarantine rows and segment rows.
+    ``lossy_insert``: a fault injected into the real store: the tensors table's inserts keep every
+    other row and return without error."""
     from megatron.core.dmi.sinks import ChdbBackend
     from megatron.core.dmi.sinks.ingest import ingest_spool
 
+    class LossyInsert(ChdbBackend):
+        def insert_arrow(self, table, data):
+            keep = data.take(list(range(0, data.num_rows, 2))) if table == "tensors" else data
+            super().insert_arrow(table, keep)
+
     os.environ.update(env or {})
-    b = ChdbBackend(os.path.join(store_dir, "chdb"))
+    b = (LossyInsert if lossy_insert else ChdbBackend)(os.path.join(store_dir, "chdb"))
     try:
         b.ensure_schema()
         r = ingest_spool(b, spool, delete=True)
