@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.records import ParallelCoords, RecordKey
 from megatron.core.dmi.transport.native import NativeRingTransport
 
@@ -78,8 +79,12 @@ def main() -> None:
     p.add_argument("--passes", type=int, default=6)
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    ring = NativeRingTransport((RECORDS * RECORD_MB << 20) + (1 << 20), "block", "cpu")
-    spooled = NativeRingTransport((RECORDS * RECORD_MB << 20) + (1 << 20), "block", "cpu")
+    ring = NativeRingTransport(
+        (RECORDS * RECORD_MB << 20) + (1 << 20), "block", "cpu", block_timeout=DMIConfig.block_timeout
+    )
+    spooled = NativeRingTransport(
+        (RECORDS * RECORD_MB << 20) + (1 << 20), "block", "cpu", block_timeout=DMIConfig.block_timeout
+    )
     with tempfile.TemporaryDirectory() as spool_dir:
         spooled.start_spool(spool_dir, {"kind": "tensors"}, 1, 256 << 20, 32 << 20)
         alone = spin_rate()

@@ -131,9 +131,14 @@ class DMIArm:
     ):
         self.config = DMIConfig(hooks=parse_hooks(hooks), ring_mb=a.ring_mb, persist="spool")
         cls = NativeRingTransport if transport == "native" else TorchRingTransport
-        self.transport = cls(self.config.ring_bytes, "block", torch.device("cuda", 0))
+        self.transport = cls(
+            self.config.ring_bytes,
+            self.config.on_full,
+            torch.device("cuda", 0),
+            block_timeout=self.config.block_timeout,
+        )
         self.sink = SpoolSink(f"bench-{hooks}-{transport}", rank_coords(), spool_root)
-        self.drain = Drain(self.transport, self.sink, native_spool=native_spool)
+        self.drain = Drain(self.transport, self.sink, self.config.flush_records, native_spool=native_spool)
         self.capture = Capture(self.config, self.transport, self.sink.run_id, 1)
         self.hooks = HookSet(self.capture)
         if clock:
@@ -575,7 +580,7 @@ def main() -> None:
         )
     init_distributed()
     t0 = time.perf_counter()
-    NativeRingTransport(1 << 20, "block", torch.device("cuda", 0)).close()
+    NativeRingTransport(1 << 20, "block", torch.device("cuda", 0), block_timeout=DMIConfig.block_timeout).close()
     jit_first_s = time.perf_counter() - t0
     cpu0 = thread_cpu_seconds()
     wall0 = time.perf_counter()

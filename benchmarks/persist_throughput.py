@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 import torch
 
+from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.records import ParallelCoords, Record, RecordKey, records_to_table, table_nbytes
 from megatron.core.dmi.sinks import SpoolSink
 from megatron.core.dmi.sinks.backend import ChdbBackend
@@ -181,8 +182,9 @@ def main() -> None:
                     batches.append(make_records(size, per_batch, it, pool))
                 t0 = time.perf_counter()
                 for b in batches:
-                    for i in range(0, len(b), 256):  # the drain hands over at most flush_records at a time
-                        sink.write(b[i : i + 256])
+                    batch = DMIConfig.flush_records  # the drain hands over at most this many at a time
+                    for i in range(0, len(b), batch):
+                        sink.write(b[i : i + batch])
                 sink.flush()
                 t_spool = time.perf_counter() - t0
                 sink.close()

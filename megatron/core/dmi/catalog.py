@@ -7,7 +7,7 @@ hooks, the record counts, the reader's reconstruction and docs/hooks.md all deri
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -308,11 +308,11 @@ class HookSelectionError(DMIError, ValueError):
     pass
 
 
-def parse_hooks(spec: str) -> frozenset[str]:
-    """Resolve ``router,attn.q`` style lists into output names; ``all`` (every output but the
-    named-only ones) and ``none`` work too."""
+def parse_hooks(spec: str | Iterable[str]) -> frozenset[str]:
+    """Resolve ``router,attn.q`` style lists (or an iterable of their items) into output names;
+    ``all`` (every output but the named-only ones) and ``none`` work too."""
     selected: set[str] = set()
-    for item in (s.strip() for s in spec.split(",")):
+    for item in (s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec)):
         if not item:
             raise HookSelectionError(f"empty item in hook list {spec!r}")
         if item == "none":

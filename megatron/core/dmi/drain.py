@@ -18,6 +18,7 @@ import warnings
 
 import pyarrow as pa
 
+from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.sinks.base import Sink
 from megatron.core.dmi.transport.base import Transport
 
@@ -25,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 class Drain:
-    """``linger_bytes``: while nothing waits on a flush, each take waits up to ``poll_seconds`` for
+    """``batch_records``: the most records handed to the sink in one batch (``--dmi-flush-records``).
+    ``linger_bytes``: while nothing waits on a flush, each take waits up to ``poll_seconds`` for
     that much payload, so small records leave in few batches: every batch costs a GIL round trip,
     and each one makes the training thread yield the GIL (see NativeRingTransport.take_table).
     Default: 32 MiB or a quarter of the ring, whichever is smaller. ``native_spool=False`` keeps
@@ -38,7 +40,7 @@ class Drain:
         self,
         transport: Transport,
         sink: Sink,
-        batch_records: int = 1024,
+        batch_records: int = DMIConfig.flush_records,
         poll_seconds: float = 0.05,
         linger_bytes: int | None = None,
         native_spool: bool = True,

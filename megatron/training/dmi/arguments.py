@@ -1,200 +1,96 @@
-"""The --dmi-* argument group and its translation into a DMIConfig.
+"""The --dmi-* argument group, generated from DMIConfig's fields, and its translation back into a DMIConfig.
 
-Every value is checked by its argparse ``type``, so bad input fails while Megatron parses its
-arguments (before any process group or model exists) with one line naming the flag.
+One flag per field: ``--dmi-`` and the field name with dashes, dest ``dmi_<field>``, the field's
+docstring as help and its default as default; a field's parser (DMIConfig metadata ``parse``) is
+the flag's argparse type. So every value is checked while Megatron parses its arguments (before any
+process group or model exists), and bad input fails with one line naming the flag. Not generated:
+``clickhouse_password`` (never a flag: it would sit in argv) and ``--dmi-clickhouse-password-file``
+(how the password is given instead).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import typing
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
+from dataclasses import Field, fields
 
-from megatron.core.dmi.catalog import BY_NAME, HookSelectionError, ModelShape, parse_hooks, record_bytes
-from megatron.core.dmi.cli import database_arg
-from megatron.core.dmi.config import DMIConfig, LayerRangeError, RunIdError, check_run_id, parse_layers
-from megatron.core.dmi.records import PHASES
-from megatron.core.dmi.transport.base import SLOT_ALIGN
+from megatron.training.argument_utils import ArgumentGroupFactory
 
-PASSWORD_ENV = "DMI_CLICKHOUSE_PASSWORD"
+from megatron.core.dmi.catalog import BY_NAME, ModelShape, record_bytes
+from megatron.core.dmi.config import CaptureWindowError, DMIConfig
+from megatron.core.dmi.sinks.backend import PASSWORD_ENV
+
+NOT_FLAGS = ("clickhouse_password",)
+FLAG_FIELDS = tuple(f.name for f in fields(DMIConfig) if f.name not in NOT_FLAGS)
+
+
+def dest_of(field_name: str) -> str:
+    """Where argparse keeps a field's flag value in ``args``."""
+    return f"dmi_{field_name}"
 
 
 # Parsed values are plain sorted tuples, not frozensets: Megatron saves ``args`` inside every
 # checkpoint and ``torch.load(weights_only=True)`` refuses a frozenset, which would make a DMI run's
-# checkpoints unloadable (``--load``). config_from_args turns them into frozensets.
-def _hooks(value: str) -> tuple[str, ...]:
-    try:
-        return tuple(sorted(parse_hooks(value)))
-    except HookSelectionError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+# checkpoints unloadable (``--load``). DMIConfig's parsers turn them back into frozensets.
+def _flag_value(value):
+    return tuple(sorted(value)) if isinstance(value, frozenset) else value
 
 
-MAX_LAYER = 1 << 16
+def _flag_type(parse: Callable, host_check: Callable | None) -> Callable[[str], object]:
+    """A field parser as an argparse type: its errors become argparse's one-line errors."""
+
+    def parse_flag(text: str):
+        try:
+            value = parse(text)
+        except ValueError as exc:  # the field parsers raise ValueError subclasses that say why
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        problem = host_check(value) if host_check else None
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return _flag_value(value)
+
+    return parse_flag
 
 
-def _layers(value: str) -> tuple[int, ...] | None:
-    # Bound every number first: "0-99999999999" must be an error, not a set of 10^11 layers.
-    for num in "".join(c if c.isdigit() else " " for c in value).split():
-        if len(num) > 6 or int(num) >= MAX_LAYER:
-            raise argparse.ArgumentTypeError(
-                f"layer {num[:12]!r} in {value[:80]!r} is out of range (0..{MAX_LAYER - 1})"
-            )
-    try:
-        layers = parse_layers(value)
-        return None if layers is None else tuple(sorted(layers))
-    except LayerRangeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+class _DMIGroupFactory(ArgumentGroupFactory):
+    """megatron-core's dataclass-to-argparse factory with DMI's flag names and field parsers."""
 
+    def _extract_type(self, config_type: type) -> dict:
+        if typing.get_origin(config_type) is frozenset:
+            return {"type": str}  # a comma list: the field's parser makes the set
+        return super()._extract_type(config_type)
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
-
-
-def ring_memory_problem(mb: float) -> str | None:
-    """Why a ring of ``mb`` MiB cannot be allocated here, or None. Host memory must hold the ring
-    and its staging copy (host ring) or the pinned staging copy (CUDA ring); a CUDA ring must also
-    fit the device's free memory, known only once CUDA is initialised (never initialised here)."""
-    import torch
-
-    host_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 20)
-    procs = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # torchrun's processes on this machine, one ring each
-    limit = host_mib / (2 * procs)
-    if mb > limit:
-        return (
-            f"{mb:g} MiB does not fit this machine: the ring and its staging copy of each of its {procs} "
-            f"process(es) need twice that in host memory, which is {host_mib:.0f} MiB; use at most {limit:.0f}"
-        )
-    if torch.cuda.is_initialized():  # never initialise CUDA here (before Megatron sets the device)
-        free, _ = torch.cuda.mem_get_info()
-        if mb * (1 << 20) > free:
-            return (
-                f"{mb:g} MiB does not fit the free memory of cuda:{torch.cuda.current_device()}, "
-                f"{free / (1 << 20):.0f} MiB"
-            )
-    return None
-
-
-def _ring_mb(value: str) -> float:
-    try:
-        mb = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size in MiB, got {value!r}") from None
-    if not mb * (1 << 20) >= SLOT_ALIGN or mb != mb or mb == float("inf"):
-        raise argparse.ArgumentTypeError(f"ring size must hold at least one {SLOT_ALIGN}-byte slot, got {value!r} MiB")
-    why = ring_memory_problem(mb)
-    if why:
-        raise argparse.ArgumentTypeError(why)
-    return mb
-
-
-def _phases(value: str) -> tuple[str, ...]:
-    phases = frozenset(p.strip() for p in value.split(","))
-    unknown = phases - set(PHASES)
-    if unknown or not phases:
-        raise argparse.ArgumentTypeError(
-            f"unknown phase(s) {sorted(unknown)} in {value!r} (known: {', '.join(PHASES)})"
-        )
-    return tuple(sorted(phases))
-
-
-def _clickhouse_url(value: str) -> str:
-    from megatron.core.dmi.sinks.backend import ServerURLError, parse_server_url, redact
-
-    shown = redact(value, None)  # never echo a user:password@ part back
-    try:
-        url = urllib.parse.urlsplit(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected http(s)://host:port, got {shown!r} ({exc})") from None
-    if url.scheme not in ("http", "https") or not url.hostname:
-        raise argparse.ArgumentTypeError(f"expected http(s)://host:port, got {shown!r}")
-    if url.password is not None:
-        raise argparse.ArgumentTypeError(
-            f"put the password in ${PASSWORD_ENV} or --dmi-clickhouse-password-file, not in the URL"
-        )
-    try:
-        _ = url.port  # urllib parses the port lazily: ask for it to validate it
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"bad port in {shown!r}") from None
-    try:
-        parse_server_url(value)
-    except ServerURLError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("--dmi-clickhouse-url ")) from None
-    return value
-
-
-def _run_id(value: str) -> str:
-    try:
-        return check_run_id(value)
-    except RunIdError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    def _build_argparse_kwargs_from_field(self, attribute: Field) -> dict:
+        kwargs = super()._build_argparse_kwargs_from_field(attribute)
+        kwargs["arg_names"] = [self._format_arg_name(attribute.name, prefix="dmi")]
+        kwargs["dest"] = dest_of(attribute.name)
+        kwargs["default"] = _flag_value(kwargs["default"])
+        if "parse" in attribute.metadata:
+            kwargs["type"] = _flag_type(attribute.metadata["parse"], attribute.metadata.get("host_check"))
+        if attribute.name == "store_dir":
+            kwargs["default"] = None  # config_from_args puts it under --save when there is one
+        return kwargs
 
 
 def add_dmi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("dmi", "Deep Model Inspection: capture model internals while training")
-    g.add_argument(
-        "--dmi-hooks",
-        type=_hooks,
-        default=(),
-        help="comma list of hook groups or outputs (router, attn, router.logits, attn.q, ..., all, none); "
-        "default none: DMI is off",
-    )
-    g.add_argument(
-        "--dmi-persist",
-        choices=("clickhouse", "spool", "none"),
-        default="clickhouse",
-        help="clickhouse: embedded chDB under --dmi-store-dir, or a server with --dmi-clickhouse-url; "
-        "spool: local spool segments only (loadable later with `load`); none: capture and transport, store nothing",
-    )
-    g.add_argument(
-        "--dmi-store-dir",
+    """Add the ``dmi`` argument group: one flag per DMIConfig field, and the password file.
+
+    Args:
+        parser: Megatron's parser (or any).
+
+    Returns:
+        ``parser``, for Megatron's ``extra_args_provider`` chain.
+    """
+    group = _DMIGroupFactory(DMIConfig, exclude=list(NOT_FLAGS)).build_group(parser, title="dmi")
+    group.add_argument(
+        "--dmi-clickhouse-password-file",
         default=None,
-        help="store and spool directory (default: <--save>/dmi_store, else ./dmi_store)",
+        help=f"file holding the ClickHouse password (else ${PASSWORD_ENV}; never a flag itself)",
     )
-    g.add_argument(
-        "--dmi-clickhouse-url",
-        type=_clickhouse_url,
-        default=None,
-        help=f"ClickHouse server http(s)://host:port (password from ${PASSWORD_ENV} or the file flag)",
-    )
-    g.add_argument(
-        "--dmi-clickhouse-database",
-        type=database_arg,
-        default="dmi",
-        help="database name, in the server or the embedded store (letters, digits, '_')",
-    )
-    g.add_argument("--dmi-clickhouse-password-file", default=None, help="file holding the ClickHouse password")
-    g.add_argument("--dmi-interval", type=_positive_int, default=1, help="capture every N-th iteration")
-    g.add_argument("--dmi-start-iter", type=_positive_int, default=1, help="first captured iteration (1-based)")
-    g.add_argument("--dmi-end-iter", type=_positive_int, default=None, help="last captured iteration")
-    g.add_argument("--dmi-layers", type=_layers, default=None, help="global 0-based layers, e.g. 0,4-7 (default all)")
-    g.add_argument("--dmi-phases", type=_phases, default=("train",), help="phases captured: train,valid")
-    g.add_argument("--dmi-ring-mb", type=_ring_mb, default=64.0, help="payload ring size per process in MiB")
-    g.add_argument(
-        "--dmi-on-full",
-        choices=("block", "drop"),
-        default="block",
-        help="ring full: block the producer until space frees, or drop (counted, logged, stored)",
-    )
-    g.add_argument(
-        "--dmi-transport",
-        choices=("auto", "native", "torch"),
-        default="auto",
-        help="native: JIT-built ring kernels; torch: pure-PyTorch ring; auto: native if it builds",
-    )
-    g.add_argument(
-        "--dmi-record-replays",
-        action="store_true",
-        help="keep activation-recompute replays as invocation 1 instead of rejecting them",
-    )
-    g.add_argument("--dmi-run-id", type=_run_id, default=None, help="run id (default: generated; kept on resume)")
-    g.add_argument("--dmi-logits-topk", type=_positive_int, default=8, help="k of the logits.topk output")
     return parser
 
 
@@ -206,30 +102,28 @@ def read_password(args: argparse.Namespace) -> str | None:
 
 
 def config_from_args(args: argparse.Namespace) -> DMIConfig:
-    store_dir = args.dmi_store_dir or (
-        os.path.join(args.save, "dmi_store") if getattr(args, "save", None) else "dmi_store"
-    )
-    if args.dmi_end_iter is not None and args.dmi_end_iter < args.dmi_start_iter:
-        _fail("--dmi-end-iter", f"{args.dmi_end_iter} is before --dmi-start-iter {args.dmi_start_iter}")
-    return DMIConfig(
-        hooks=frozenset(args.dmi_hooks),
-        persist=args.dmi_persist,
-        store_dir=store_dir,
-        clickhouse_url=args.dmi_clickhouse_url,
-        clickhouse_database=args.dmi_clickhouse_database,
-        clickhouse_password=read_password(args) if args.dmi_clickhouse_url else None,
-        interval=args.dmi_interval,
-        start_iter=args.dmi_start_iter,
-        end_iter=args.dmi_end_iter,
-        layers=None if args.dmi_layers is None else frozenset(args.dmi_layers),
-        phases=frozenset(args.dmi_phases),
-        ring_mb=args.dmi_ring_mb,
-        on_full=args.dmi_on_full,
-        transport=args.dmi_transport,
-        record_replays=args.dmi_record_replays,
-        run_id=args.dmi_run_id,
-        logits_topk=args.dmi_logits_topk,
-    )
+    """The DMIConfig of the parsed --dmi-* flags.
+
+    Each field comes from its flag, by name (DMIConfig turns the tuples back into frozensets); only
+    the store directory's default (under ``--save``) and the password (from its file or
+    ``$DMI_CLICKHOUSE_PASSWORD``, and only with a server URL) are not copied.
+
+    Args:
+        args: the parsed arguments.
+
+    Returns:
+        The checked config.
+
+    Raises:
+        SystemExit: the capture window ends before it starts (naming ``--dmi-end-iter``).
+    """
+    values = {name: getattr(args, dest_of(name)) for name in FLAG_FIELDS}
+    values["store_dir"] = args.dmi_store_dir or os.path.join(getattr(args, "save", None) or "", DMIConfig.store_dir)
+    values["clickhouse_password"] = read_password(args) if args.dmi_clickhouse_url else None
+    try:
+        return DMIConfig(**values)
+    except CaptureWindowError as exc:
+        _fail("--dmi-end-iter", str(exc))
 
 
 def _fail(flag: str, message: str) -> None:

@@ -18,10 +18,10 @@ import megatron.training.training as mt_training
 import torch
 from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
-from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.config import DMIConfig, ring_memory_problem
 from megatron.core.dmi.session import DMISession
 from megatron.training import get_args, print_rank_0
-from megatron.training.dmi.arguments import config_from_args, ring_memory_problem
+from megatron.training.dmi.arguments import config_from_args
 from megatron.training.dmi.entry import compute_device
 from megatron.training.dmi.scalars import RouterScalars
 from megatron.training.dmi.scalars import wanted as scalars_wanted

@@ -7,7 +7,7 @@ from megatron.core.dmi.capture import Capture, Placement
 from megatron.core.dmi.catalog import parse_hooks
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.records import ParallelCoords
-from megatron.core.dmi.transport.base import SLOT_ALIGN
+from megatron.core.dmi.transport.abi import SLOT_ALIGN
 from megatron.core.dmi.transport.torch_ring import TorchRingTransport
 
 OUTPUTS = {  # one router firing: 16 tokens, 4 experts, top-2 (each output fits one 256-byte slot)
@@ -20,7 +20,12 @@ OUTPUTS = {  # one router firing: 16 tokens, 4 experts, top-2 (each output fits 
 
 def firing_capture(slots: int) -> Capture:
     config = DMIConfig(hooks=parse_hooks("router"))
-    capture = Capture(config, TorchRingTransport(slots * SLOT_ALIGN, "drop", torch.device("cpu")), "run-a", 3)
+    capture = Capture(
+        config,
+        TorchRingTransport(slots * SLOT_ALIGN, "drop", torch.device("cpu"), block_timeout=DMIConfig.block_timeout),
+        "run-a",
+        3,
+    )
     capture.begin_step("train", 7)
     capture.set_microbatch(2)
     return capture

@@ -61,3 +61,23 @@ def test_resuming_from_a_saved_state_continues_the_run_under_a_new_attempt(tmp_p
         assert fresh.run_id != state["run_id"] and fresh.attempt == 1
     finally:
         fresh.close()
+
+
+def test_the_session_hands_the_ring_and_drain_settings_of_its_config_to_the_transport_and_drain(tmp_path):
+    config = DMIConfig(
+        hooks=parse_hooks("router"),
+        persist="none",
+        store_dir=str(tmp_path),
+        transport="torch",
+        ring_mb=2.0,
+        on_full="drop",
+        block_timeout=3.5,
+        flush_records=7,
+    )
+    session = DMISession(config)
+    try:
+        t = session.transport
+        assert (t.ring_bytes, t.on_full, t.block_timeout) == (2 << 20, "drop", 3.5)
+        assert session.drain.batch_records == 7
+    finally:
+        session.close()

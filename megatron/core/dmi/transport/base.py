@@ -19,7 +19,6 @@ import torch
 
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.records import Firing, Record, RecordKey, records_to_table
-from megatron.core.dmi.transport.abi import SLOT_ALIGN
 
 OnFull = Literal["block", "drop"]
 
@@ -51,11 +50,13 @@ class TransportStats:
 class Transport(ABC):
     name: str
 
-    def __init__(self, ring_bytes: int, on_full: OnFull, device: torch.device):
-        if ring_bytes < SLOT_ALIGN:
-            raise RingTooSmallError(f"ring of {ring_bytes} bytes is smaller than one slot ({SLOT_ALIGN} bytes)")
+    def __init__(self, ring_bytes: int, on_full: OnFull, device: torch.device, *, block_timeout: float):
+        """``ring_bytes`` holds at least one ``SLOT_ALIGN`` slot; under ``on_full="block"`` a producer
+        waits at most ``block_timeout`` seconds for space, then drops its record (counted in
+        ``stats.dropped``). DMIConfig checks all three (``ring_mb``, ``on_full``, ``block_timeout``)."""
         self.ring_bytes = ring_bytes
         self.on_full = on_full
+        self.block_timeout = block_timeout
         self.device = device
         self.stats = TransportStats()
 

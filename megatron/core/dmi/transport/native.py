@@ -84,19 +84,17 @@ class NativeRingTransport(Transport):
     def __init__(
         self,
         ring_bytes: int,
-        on_full: OnFull = "block",
-        device: torch.device | str = "cpu",
+        on_full: OnFull,
+        device: torch.device | str,
         *,
+        block_timeout: float,
         desc_capacity: int | None = None,
         staging_bytes: int | None = None,
-        block_timeout: float = 60.0,
     ):
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if on_full not in ("block", "drop"):
-            raise ValueError(f"on_full must be 'block' or 'drop', not {on_full!r}")
-        super().__init__(ring_bytes, on_full, device)
+        super().__init__(ring_bytes, on_full, device, block_timeout=block_timeout)
         cap = ring_bytes // SLOT_ALIGN * SLOT_ALIGN
         self.ring_bytes = cap
         if desc_capacity is None:
@@ -108,16 +106,15 @@ class NativeRingTransport(Transport):
             raise ValueError(f"staging_bytes ({staging_bytes}) must be >= the ring ({cap} bytes)")
         self.desc_capacity = int(desc_capacity)
         self.staging_bytes = int(staging_bytes)
-        self.block_timeout = float(block_timeout)
         block = 1 if on_full == "block" else 0
         if device.type == "cuda":
             self._mod = jit.load_cuda()
             self._ring = self._mod.CudaRing(
-                device.index, cap, self.desc_capacity, self.staging_bytes, block, self.block_timeout
+                device.index, cap, self.desc_capacity, self.staging_bytes, block, block_timeout
             )
         elif device.type == "cpu":
             self._mod = jit.load_host()
-            self._ring = self._mod.HostRing(cap, self.desc_capacity, self.staging_bytes, block, self.block_timeout)
+            self._ring = self._mod.HostRing(cap, self.desc_capacity, self.staging_bytes, block, block_timeout)
         else:
             raise ValueError(f"the native ring supports cpu and cuda tensors, not {device}")
         # The payload ring as a uint8 tensor (DLPack view of the ring's own memory): the mutated

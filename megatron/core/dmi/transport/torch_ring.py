@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from megatron.core.dmi.records import Record, RecordKey
-from megatron.core.dmi.transport.base import SLOT_ALIGN, OnFull, Transport
+from megatron.core.dmi.transport.abi import SLOT_ALIGN
+from megatron.core.dmi.transport.base import OnFull, Transport
 
 
 @dataclass
@@ -35,8 +36,8 @@ def _align(n: int) -> int:
 class TorchRingTransport(Transport):
     name = "torch"
 
-    def __init__(self, ring_bytes: int, on_full: OnFull, device: torch.device):
-        super().__init__(ring_bytes, on_full, device)
+    def __init__(self, ring_bytes: int, on_full: OnFull, device: torch.device, *, block_timeout: float):
+        super().__init__(ring_bytes, on_full, device, block_timeout=block_timeout)
         self.ring = torch.empty(ring_bytes, dtype=torch.uint8, device=device)
         self._cuda = self.ring.is_cuda
         self._staging = torch.empty(ring_bytes, dtype=torch.uint8, pin_memory=self._cuda) if self._cuda else None
@@ -67,8 +68,9 @@ class TorchRingTransport(Transport):
             slot = self._reserve(nbytes)
             if slot is None and self.on_full == "block":
                 t0 = time.perf_counter()
-                while slot is None:
-                    self._cv.wait()
+                deadline = t0 + self.block_timeout
+                while slot is None and (left := deadline - time.perf_counter()) > 0:
+                    self._cv.wait(left)
                     slot = self._reserve(nbytes)
                 self.stats.blocked += 1
                 self.stats.blocked_seconds += time.perf_counter() - t0

@@ -58,7 +58,12 @@ def tokens(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def capture_for(hooks: str, ring_mb: float = 8, **config) -> Capture:
     cfg = DMIConfig(hooks=parse_hooks(hooks), ring_mb=ring_mb, **config)
-    return Capture(cfg, TorchRingTransport(cfg.ring_bytes, "block", torch.device("cpu")), "test-run", 0)
+    return Capture(
+        cfg,
+        TorchRingTransport(cfg.ring_bytes, cfg.on_full, torch.device("cpu"), block_timeout=cfg.block_timeout),
+        "test-run",
+        0,
+    )
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,12 @@ def test_hostile_identifiers_rejected(name):
         ServerBackend("http://127.0.0.1:9", database=name)
 
 
-def test_hostile_database_rejected_by_open_sink(tmp_path):
-    cfg = DMIConfig(persist="clickhouse", store_dir=str(tmp_path), clickhouse_database="dmi; DROP DATABASE default")
+def test_hostile_database_rejected_by_the_config_and_by_open_sink(tmp_path):
+    hostile = "dmi; DROP DATABASE default"
+    with pytest.raises(IdentifierError):
+        DMIConfig(persist="clickhouse", store_dir=str(tmp_path), clickhouse_database=hostile)
+    cfg = DMIConfig(persist="clickhouse", store_dir=str(tmp_path))
+    cfg.clickhouse_database = hostile  # set after the config's check: the sink checks again before any SQL
     with pytest.raises(IdentifierError):
         open_sink(cfg, ParallelCoords(), "r", True)
 

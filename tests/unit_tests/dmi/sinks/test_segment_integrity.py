@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.drain import Drain
 from megatron.core.dmi.records import ParallelCoords, RecordKey
 from megatron.core.dmi.sinks import SpoolSink
@@ -107,7 +108,7 @@ def _key(i: int, x: torch.Tensor) -> RecordKey:
 def native_segments(spool: str, segments: int = 1) -> dict:
     """`segments` closed segments of BLOCKS records blocks of PER_BLOCK records each; returns the
     payloads sent by (phase, iteration, microbatch, layer)."""
-    ring = NativeRingTransport(4 << 20, "block", "cpu")
+    ring = NativeRingTransport(4 << 20, "block", "cpu", block_timeout=DMIConfig.block_timeout)
     sink = SpoolSink(RUN, ParallelCoords(rank=0), spool, segment_bytes=1 << 30)
     drain = Drain(ring, sink, linger_bytes=0)
     assert drain.native

@@ -372,7 +372,7 @@ def hold_spool_open(store_dir: str, ready: str, release: str) -> dict:
     from megatron.core.dmi.sinks.spool import list_segments, segment_rows_bytes
     from megatron.core.dmi.transport.native import NativeRingTransport
 
-    ring = NativeRingTransport(4 << 20, "block", "cpu")
+    ring = NativeRingTransport(4 << 20, "block", "cpu", block_timeout=DMIConfig.block_timeout)
     sink = SpoolSink(RUN, ParallelCoords(rank=0), os.path.join(store_dir, "spool"), segment_bytes=1 << 30)
     drain = Drain(ring, sink, linger_bytes=0)
     records = moe_records()

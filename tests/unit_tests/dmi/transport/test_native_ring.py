@@ -10,7 +10,8 @@ import torch
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.records import ParallelCoords, RecordKey, dtype_name
 from megatron.core.dmi.transport import open_transport
-from megatron.core.dmi.transport.base import SLOT_ALIGN, RingTooSmallError
+from megatron.core.dmi.transport.abi import SLOT_ALIGN
+from megatron.core.dmi.transport.base import RingTooSmallError
 from megatron.core.dmi.transport.native import NativeRingTransport
 
 CPU = torch.device("cpu")
@@ -48,8 +49,8 @@ def key_for(
     )
 
 
-def ring(nbytes, on_full="drop", **kw) -> NativeRingTransport:
-    return NativeRingTransport(nbytes, on_full, CPU, **kw)
+def ring(nbytes, on_full="drop", block_timeout=DMIConfig.block_timeout, **kw) -> NativeRingTransport:
+    return NativeRingTransport(nbytes, on_full, CPU, block_timeout=block_timeout, **kw)
 
 
 def slot_tensor(i: int) -> torch.Tensor:
@@ -289,8 +290,8 @@ def test_record_larger_than_the_ring_is_refused():
     t = torch.zeros(200)
     with pytest.raises(RingTooSmallError):
         r.publish(key_for(t), t)
-    with pytest.raises(RingTooSmallError):
-        NativeRingTransport(100, "drop", CPU)
+    with pytest.raises(ValueError, match="multiple of 256"):  # the C++ ring's own invariant
+        ring(100)
 
 
 def test_mismatched_key_and_device_are_refused():
@@ -307,6 +308,24 @@ def test_take_waits_up_to_timeout_and_close_is_idempotent():
     r.close()
     r.close()
     assert r.stats.published == 0
+
+
+@pytest.mark.parametrize("on_full", ["block", "drop"])
+def test_open_transport_hands_on_full_and_the_block_timeout_to_the_native_ring(on_full):
+    cfg = DMIConfig(transport="native", ring_mb=SLOT_ALIGN / (1 << 20), on_full=on_full, block_timeout=0.2)
+    r = open_transport(cfg, CPU)
+    assert isinstance(r, NativeRingTransport)
+    for i in range(2):  # one in staging, one in the ring
+        assert r.publish(key_for(slot_tensor(i), i), slot_tensor(i))
+        r.sync_drain()
+    t0 = time.perf_counter()
+    assert not r.publish(key_for(slot_tensor(2), 2), slot_tensor(2))
+    if on_full == "block":  # the C++ ring waited for the config's timeout, then dropped
+        assert time.perf_counter() - t0 > 0.15 and r.ring_state()["timeouts"] == 1
+    else:
+        assert r.ring_state()["timeouts"] == 0
+    assert r.stats.dropped == 1
+    r.close()
 
 
 def test_open_transport_gives_the_native_ring_on_cpu():

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.drain import Drain
 from megatron.core.dmi.records import ParallelCoords, RecordKey
 from megatron.core.dmi.sinks import SpoolSink
@@ -75,7 +76,7 @@ def check_rows(rows: list[dict], sent: dict) -> None:
 
 @pytest.fixture
 def ring():
-    t = NativeRingTransport(4 << 20, "block", "cpu")
+    t = NativeRingTransport(4 << 20, "block", "cpu", block_timeout=DMIConfig.block_timeout)
     yield t
     t.close()
 
@@ -110,7 +111,7 @@ def test_drain_uses_the_native_writer_and_everything_reads_back(tmp_path, ring):
 def test_large_records_are_checksummed_in_pieces_like_zlib(tmp_path):
     """Records above the writer's 4 MiB checksum piece (and a batch large enough for several
     threads) carry the CRC zlib gives the whole payload."""
-    t = NativeRingTransport(64 << 20, "block", "cpu")
+    t = NativeRingTransport(64 << 20, "block", "cpu", block_timeout=DMIConfig.block_timeout)
     sink = SpoolSink("run-n", ParallelCoords(rank=3), str(tmp_path))
     drain = Drain(t, sink)
     assert drain.native

@@ -2,6 +2,7 @@
 
 import torch
 
+from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.records import ParallelCoords, RecordKey, dtype_name
 from megatron.core.dmi.transport import ops
 from megatron.core.dmi.transport.native import NativeRingTransport
@@ -29,7 +30,7 @@ def _key(t, output):
 
 
 def test_compiled_function_records_every_capture_once_in_order():
-    tr = NativeRingTransport(1 << 16, "drop", torch.device("cpu"))
+    tr = NativeRingTransport(1 << 16, "drop", torch.device("cpu"), block_timeout=DMIConfig.block_timeout)
     x0 = torch.randn(8, 4)
     s_in = tr.register_site(_key(x0, "resid"))
     s_mid = tr.register_site(_key(x0, "mlp"))
@@ -68,7 +69,7 @@ def test_op_is_registered_with_a_mutated_ring_argument():
 
 
 def test_eager_op_call_publishes_under_the_gate():
-    tr = NativeRingTransport(4096, "drop", torch.device("cpu"))
+    tr = NativeRingTransport(4096, "drop", torch.device("cpu"), block_timeout=DMIConfig.block_timeout)
     t = torch.arange(6, dtype=torch.int64)
     site = tr.register_site(_key(t, "router.topk_ids"))
     tr.set_gate(False)

@@ -7,6 +7,7 @@ import zlib
 import pytest
 import torch
 
+from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.records import TENSOR_SCHEMA, records_to_table, table_to_records
 from megatron.core.dmi.transport.native import NativeRingTransport
 from tests.unit_tests.dmi.transport.test_native_ring import key_for
@@ -37,8 +38,8 @@ def publish_mixed(r: NativeRingTransport, n: int, seed: int = 0) -> list[torch.T
 
 
 def test_take_table_matches_take_bitwise():
-    a = NativeRingTransport(1 << 20, "block", CPU)
-    b = NativeRingTransport(1 << 20, "block", CPU)
+    a = NativeRingTransport(1 << 20, "block", CPU, block_timeout=DMIConfig.block_timeout)
+    b = NativeRingTransport(1 << 20, "block", CPU, block_timeout=DMIConfig.block_timeout)
     sent = publish_mixed(a, 40)
     publish_mixed(b, 40)
     table = a.take_table(1000, 1.0)
@@ -53,7 +54,7 @@ def test_take_table_matches_take_bitwise():
 
 
 def test_max_records_and_order_across_calls():
-    r = NativeRingTransport(1 << 20, "block", CPU)
+    r = NativeRingTransport(1 << 20, "block", CPU, block_timeout=DMIConfig.block_timeout)
     sent = publish_mixed(r, 25)
     got = []
     while r.pending():
@@ -66,7 +67,7 @@ def test_max_records_and_order_across_calls():
 
 def test_record_larger_than_the_pooled_buffer_gets_its_own(monkeypatch):
     monkeypatch.setattr(NativeRingTransport, "TAKE_BUFFER_BYTES", 4096)
-    r = NativeRingTransport(1 << 20, "block", CPU)
+    r = NativeRingTransport(1 << 20, "block", CPU, block_timeout=DMIConfig.block_timeout)
     small, big = torch.arange(16, dtype=torch.float32), torch.randn(8192)  # 64 B, 32 KiB
     for t in (small, big, small):
         r.publish(key_for(t), t)
@@ -78,7 +79,7 @@ def test_record_larger_than_the_pooled_buffer_gets_its_own(monkeypatch):
 
 
 def test_pooled_buffers_are_reused_once_released():
-    r = NativeRingTransport(1 << 20, "block", CPU)
+    r = NativeRingTransport(1 << 20, "block", CPU, block_timeout=DMIConfig.block_timeout)
     r.blobs.default_bytes = 1 << 16  # so that one batch fills more than the copy-out threshold
     for _ in range(6):
         t = torch.randn(8192)  # 32 KiB: half a pooled buffer, kept zero-copy
@@ -94,7 +95,7 @@ def test_pooled_buffers_are_reused_once_released():
 
 @pytest.mark.parametrize("fill", ["small", "large"])
 def test_table_outlives_the_ring(fill):
-    r = NativeRingTransport(1 << 22, "block", CPU)
+    r = NativeRingTransport(1 << 22, "block", CPU, block_timeout=DMIConfig.block_timeout)
     r.blobs.default_bytes = 1 << 16
     t = torch.randn(16 if fill == "small" else 12000)
     r.publish(key_for(t), t)
@@ -109,7 +110,7 @@ def test_table_outlives_the_ring(fill):
 def test_checksums_equal_zlib_for_every_length_and_alignment():
     import zlib
 
-    r = NativeRingTransport(1 << 20, "block", CPU)
+    r = NativeRingTransport(1 << 20, "block", CPU, block_timeout=DMIConfig.block_timeout)
     g = torch.Generator().manual_seed(7)
     sent = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in list(range(20)) + [255, 1001, 4099]]
     for t in sent:
@@ -123,7 +124,7 @@ def test_checksums_equal_zlib_for_every_length_and_alignment():
 def test_large_batches_are_checksummed_on_several_threads_correctly():
     import zlib
 
-    r = NativeRingTransport(64 << 20, "block", CPU)
+    r = NativeRingTransport(64 << 20, "block", CPU, block_timeout=DMIConfig.block_timeout)
     sent = [torch.randn(2 << 20) for _ in range(5)]  # 8 MiB each: 40 MiB in one batch, 3 threads
     for t in sent:
         r.publish(key_for(t), t)
@@ -137,7 +138,7 @@ def test_large_batches_are_checksummed_on_several_threads_correctly():
 def test_linger_waits_for_min_bytes_or_the_timeout():
     import time
 
-    r = NativeRingTransport(4 << 20, "block", CPU)
+    r = NativeRingTransport(4 << 20, "block", CPU, block_timeout=DMIConfig.block_timeout)
     small = torch.arange(64, dtype=torch.float32)  # 256 B
     r.publish(key_for(small), small)
     r.sync_drain()
@@ -161,7 +162,7 @@ def test_drain_lingers_but_flush_is_prompt(tmp_path):
     from megatron.core.dmi.records import ParallelCoords
     from megatron.core.dmi.sinks import SpoolSink
 
-    r = NativeRingTransport(4 << 20, "block", CPU)
+    r = NativeRingTransport(4 << 20, "block", CPU, block_timeout=DMIConfig.block_timeout)
     sink = SpoolSink("run", ParallelCoords(), str(tmp_path), writers=1)
     drain = Drain(r, sink, poll_seconds=2.0)  # a long linger window
     assert drain.linger_bytes == 1 << 20
@@ -179,7 +180,7 @@ def test_drain_lingers_but_flush_is_prompt(tmp_path):
 def test_checksums_equal_zlib_for_every_length_around_the_fast_path():
     """The C++ CRC-32 takes carry-less multiplication from 64 bytes up (64-byte and 16-byte folds,
     then a byte tail) and tables below: every length across those boundaries matches zlib."""
-    r = NativeRingTransport(4 << 20, "block", CPU)
+    r = NativeRingTransport(4 << 20, "block", CPU, block_timeout=DMIConfig.block_timeout)
     g = torch.Generator().manual_seed(3)
     lengths = list(range(0, 300)) + [1023, 1024, 1025, 4096 + 13, (1 << 20) + 7]
     sent = []

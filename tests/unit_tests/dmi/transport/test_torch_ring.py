@@ -4,8 +4,10 @@ import time
 import pytest
 import torch
 
+from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.records import ParallelCoords, RecordKey, dtype_name
-from megatron.core.dmi.transport.base import SLOT_ALIGN, RingTooSmallError
+from megatron.core.dmi.transport.abi import SLOT_ALIGN
+from megatron.core.dmi.transport.base import RingTooSmallError
 from megatron.core.dmi.transport.torch_ring import TorchRingTransport
 
 CPU = torch.device("cpu")
@@ -37,7 +39,7 @@ def tensor(i: int, rows: int = 16) -> torch.Tensor:
 
 
 def test_records_come_back_in_order_with_their_keys_and_bytes():
-    ring = TorchRingTransport(4 * SLOT_ALIGN, "block", CPU)
+    ring = TorchRingTransport(4 * SLOT_ALIGN, "block", CPU, block_timeout=DMIConfig.block_timeout)
     for i in range(3):
         assert ring.publish(key(tensor(i), i), tensor(i))
     out = ring.take(10, 0)
@@ -47,7 +49,9 @@ def test_records_come_back_in_order_with_their_keys_and_bytes():
 
 
 def test_wrap_around_keeps_every_payload_intact():
-    ring = TorchRingTransport(3 * SLOT_ALIGN, "drop", CPU)  # 256-byte records: 3 fit
+    ring = TorchRingTransport(
+        3 * SLOT_ALIGN, "drop", CPU, block_timeout=DMIConfig.block_timeout
+    )  # 256-byte records: 3 fit
     seen = []
     for i in range(20):
         assert ring.publish(key(tensor(i), i), tensor(i))
@@ -59,7 +63,7 @@ def test_wrap_around_keeps_every_payload_intact():
 
 
 def test_drop_mode_counts_what_does_not_fit():
-    ring = TorchRingTransport(2 * SLOT_ALIGN, "drop", CPU)
+    ring = TorchRingTransport(2 * SLOT_ALIGN, "drop", CPU, block_timeout=DMIConfig.block_timeout)
     results = [ring.publish(key(tensor(i), i), tensor(i)) for i in range(5)]
     assert results == [True, True, False, False, False]
     assert ring.stats.dropped == 3 and ring.stats.dropped_bytes == 3 * 256
@@ -67,7 +71,7 @@ def test_drop_mode_counts_what_does_not_fit():
 
 
 def test_block_mode_waits_for_the_drain():
-    ring = TorchRingTransport(2 * SLOT_ALIGN, "block", CPU)
+    ring = TorchRingTransport(2 * SLOT_ALIGN, "block", CPU, block_timeout=DMIConfig.block_timeout)
     got = []
 
     def drain():
@@ -85,7 +89,7 @@ def test_block_mode_waits_for_the_drain():
 
 
 def test_zero_row_record_is_published():
-    ring = TorchRingTransport(SLOT_ALIGN, "drop", CPU)
+    ring = TorchRingTransport(SLOT_ALIGN, "drop", CPU, block_timeout=DMIConfig.block_timeout)
     empty = torch.empty(0, 4)
     assert ring.publish(key(empty, 7), empty)
     (rec,) = ring.take(1, 0)
@@ -93,11 +97,16 @@ def test_zero_row_record_is_published():
 
 
 def test_record_larger_than_ring_is_refused():
-    ring = TorchRingTransport(SLOT_ALIGN, "block", CPU)
+    ring = TorchRingTransport(SLOT_ALIGN, "block", CPU, block_timeout=DMIConfig.block_timeout)
     with pytest.raises(RingTooSmallError, match="--dmi-ring-mb"):
         ring.publish(key(tensor(0, 32), 0), tensor(0, 32))
 
 
-def test_ring_smaller_than_a_slot_is_refused():
-    with pytest.raises(RingTooSmallError):
-        TorchRingTransport(SLOT_ALIGN - 1, "block", CPU)
+def test_block_mode_gives_up_after_the_timeout_and_counts_a_drop():
+    ring = TorchRingTransport(SLOT_ALIGN, "block", CPU, block_timeout=0.2)
+    assert ring.publish(key(tensor(0), 0), tensor(0))
+    t0 = time.perf_counter()
+    assert not ring.publish(key(tensor(1), 1), tensor(1))  # nothing drains: the ring stays full
+    assert time.perf_counter() - t0 >= 0.2
+    assert ring.stats.dropped == 1 and ring.stats.blocked == 1 and ring.stats.blocked_seconds >= 0.2
+    assert [r.key.iteration for r in ring.take(10, 0)] == [0]
