@@ -380,6 +380,22 @@ def parse_hooks(spec: str) -> frozenset[str]:
     return frozenset(selected)
 
 
+class UnsupportedUnderGraphsError(DMIError, ValueError):
+    """Selected outputs that cannot be captured when the model replays from CUDA graphs."""
+
+
+def check_graph_support(hooks: frozenset[str]) -> None:
+    """Refuse the backward outputs (group ``grad``) under CUDA graphs: their tensor hooks are Python
+    callbacks that a graph replay of the backward pass never runs."""
+    backward = sorted(o for o in hooks if BY_NAME[o].backward)
+    if backward:
+        raise UnsupportedUnderGraphsError(
+            f"{', '.join(backward)} cannot be captured under CUDA graphs (--cuda-graph-impl): they are "
+            "recorded by tensor hooks in the backward pass, which a graph replay does not run; capture them in "
+            "a run without CUDA graphs"
+        )
+
+
 def outputs_of_group(group: str, selected: frozenset[str]) -> list[str]:
     return [o.name for o in OUTPUTS if o.group == group and o.name in selected]
 

@@ -11,7 +11,15 @@ import os
 import urllib.parse
 import urllib.request
 
-from megatron.core.dmi.catalog import BY_NAME, HookSelectionError, ModelShape, parse_hooks, record_bytes
+from megatron.core.dmi.catalog import (
+    BY_NAME,
+    HookSelectionError,
+    ModelShape,
+    UnsupportedUnderGraphsError,
+    check_graph_support,
+    parse_hooks,
+    record_bytes,
+)
 from megatron.core.dmi.cli import database_arg
 from megatron.core.dmi.config import DMIConfig, LayerRangeError, RunIdError, check_run_id, parse_layers
 from megatron.core.dmi.records import PHASES
@@ -322,6 +330,10 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
                 "fix the URL or use --dmi-persist spool and load the spool later",
             )
     if getattr(args, "cuda_graph_impl", "none") != "none":
+        try:
+            check_graph_support(frozenset(args.dmi_hooks))
+        except UnsupportedUnderGraphsError as exc:
+            _fail("--dmi-hooks", str(exc))
         if args.dmi_transport == "torch":
             _fail(
                 "--dmi-transport",
