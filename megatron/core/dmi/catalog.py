@@ -412,13 +412,21 @@ _SCOPE = {
     "shared_expert_layer": "MoE layers with a shared expert",
     "last_layer": "last layer",
 }
-# (opt_in, in_all) -> how a user selects the output
+# (opt_in, in_all) -> the "opt-in" column: how a user selects the output beyond its group
 _OPT_IN_TEXT = {
     (False, True): "no",
     (True, True): "yes",
     (True, False): "named only",
     (False, False): "group or name, not all",
 }
+
+
+def opt_in_text(output: HookOutput) -> str:
+    """How ``output`` is selected: "no" (by its group and all), "yes" (by name or all), "named
+    only", or "group or name, not all"."""
+    return _OPT_IN_TEXT[(output.opt_in, output.in_all)]
+
+
 _COMBINE_TEXT = {
     "sum": "sum over token shards",
     "topk": "top-k of the vocabulary shards' union",
@@ -469,7 +477,7 @@ def markdown_table() -> str:
         when += ", in backward (training steps)" if o.backward else ""
         lines.append(
             f"| `{o.name}` | `{o.group}` | {o.shape} | {o.dtype} | {how} | {when} | {_PUBLISHED_BY[o.producers]} "
-            f"| {_OPT_IN_TEXT[(o.opt_in, o.in_all)]} | {o.doc} |"
+            f"| {opt_in_text(o)} | {o.doc} |"
         )
     lines += [
         "",
