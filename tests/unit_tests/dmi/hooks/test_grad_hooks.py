@@ -8,6 +8,7 @@ selective recompute each gradient is recorded once, with the same bits."""
 
 import pytest
 import torch
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.core.dmi.hooks import HookSet
@@ -149,3 +150,36 @@ def test_evaluation_records_no_gradient(megatron_cpu):
         model(*tokens(), attention_mask=None)
     assert capture.transport.take(100, 0) == []
     assert not any(capture._awaiting_replay.values())
+
+
+def test_remove_restores_every_module_with_router_and_grad(megatron_cpu):
+    """router and grad both wrap a router's routing step; removing the hooks drops both wrappers
+    and every module hook: a training step afterwards records nothing."""
+    model = tiny_gpt()
+    capture = capture_for("router,grad")
+    hooks = HookSet(capture)
+    hooks.attach(model)
+    hooks.remove()
+    capture.begin_step("train", 1)
+    ids, pos = tokens()
+    model(ids, pos, attention_mask=None, labels=ids).sum().backward()
+    assert capture.transport.pending() == 0
+    assert all("routing" not in vars(m) for m in model.modules() if isinstance(m, TopKRouter))
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+
+
+def test_selection_by_iteration_and_layer(megatron_cpu):
+    """--dmi-interval and --dmi-layers select gradients as they select forward outputs; an
+    uncaptured step leaves nothing waiting for a replay."""
+    torch.manual_seed(0)
+    model = tiny_gpt(recompute=RECOMPUTE["full"])
+    capture = capture_for("grad", interval=2, layers=frozenset({1}))
+    HookSet(capture).attach(model)
+    oracle = GradientOracle(model)
+    for iteration in (1, 2):
+        capture.begin_step("train", iteration)
+        oracle.seen.clear()
+        pipelined_step(model, capture, oracle, (0, 1))
+        assert not any(capture._awaiting_replay.values())
+    got = sorted({(r.key.iteration, r.key.layer) for r in capture.transport.take(1000, 0)})
+    assert got == [(1, 1)]
