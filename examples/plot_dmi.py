@@ -17,6 +17,11 @@ Writes PNGs:
   layer L-1's resid.in against the actual routing (if router.weight and resid.in were captured).
 - ``loss_vs_routing.png``: per layer, the mean loss of tokens with a dropped route (solid) and of
   tokens that kept all routes (dashed) over iterations (if loss.token and router.topk_ids).
+- ``grad_norm_<output>.png``: per layer, the gradient's RMS per token over iterations, one file per
+  captured gradient (``grad_norm_resid_in.png``, ``grad_norm_attn_context.png``,
+  ``grad_norm_router_logits.png``).
+- ``grad_norm_experts.png``: for a few iterations, a layers x experts heatmap of each expert's
+  share of the router-logit gradient (the router's learning signal towards that expert).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import numpy as np  # noqa: E402
 
 from megatron.core.dmi.reader import open_store  # noqa: E402
 from megatron.core.dmi.reader.analyses import (  # noqa: E402
+    GRADIENTS,
+    grad_norms,
     loss_vs_routing,
     routing_concentration,
     routing_predictability,
@@ -246,6 +253,32 @@ def plot_loss_vs_routing(table, out_dir: str) -> list[str]:
     return _save(fig, os.path.join(out_dir, "loss_vs_routing.png"))
 
 
+def plot_grad_norms(result, out_dir: str, max_panels: int = 4) -> list[str]:
+    written = []
+    for output, table in result.layers.groupby("output"):
+        written += _per_layer_lines(
+            table,
+            "rms_per_token",
+            1,
+            "RMS per token of the gradient",
+            f"{output}: gradient norm per layer",
+            os.path.join(out_dir, f"grad_norm_{output.removeprefix('grad.')}.png"),
+        )
+    if not result.experts.empty:
+        its = _spread(sorted(result.experts["iteration"].unique()), max_panels)
+        panels = [
+            (
+                f"iteration {it}",
+                result.experts[result.experts.iteration == it].pivot(index="layer", columns="expert", values="share"),
+            )
+            for it in its
+        ]
+        path = os.path.join(out_dir, "grad_norm_experts.png")
+        _layer_expert_panels(panels, "cividis", "share of squared norm", "router-logit gradient per expert", path)
+        written.append(path)
+    return written
+
+
 def main(argv=None) -> list[str]:
     ap = argparse.ArgumentParser(description="Plot a DMI run (PNG files).")
     ap.add_argument("store", help="store directory or ClickHouse URL")
@@ -276,6 +309,8 @@ def main(argv=None) -> list[str]:
                 written += plot_predictability(routing_predictability(store, run), args.out)
         if {"loss.token", "router.topk_ids"} <= outputs:
             written += plot_loss_vs_routing(loss_vs_routing(store, run), args.out)
+        if outputs & set(GRADIENTS):
+            written += plot_grad_norms(grad_norms(store, run), args.out)
         if "router.logits" in outputs and not args.no_entropy:
             written += plot_entropy(store.router_entropy(run, progress=True), args.out)
         if {"attn.q", "attn.k"} <= outputs:

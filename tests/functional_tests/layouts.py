@@ -62,7 +62,7 @@ BASE_ARGS = [
     "--attention-dropout",
     "0",
     "--dmi-hooks",
-    "router,attn,resid,mlp,loss,logits",
+    "router,attn,resid,mlp,loss,logits,grad",
 ]
 
 
@@ -87,7 +87,7 @@ class Layout:
                 skip = 1
                 continue
             args.append(a)
-        return args + ["--dmi-hooks", "attn,resid,mlp,loss,logits"] + list(self.args)
+        return args + ["--dmi-hooks", "attn,resid,mlp,loss,logits,grad"] + list(self.args)
 
     def value(self, flag: str, default: str | None = None) -> str | None:
         args = self.full_args()
@@ -178,7 +178,8 @@ def expected_record_counts(args: list[str], world_size: int) -> dict[str, int]:
       under sequence parallelism, else TP rank 0 only, summed over the DP replicas; a replicated
       weight comes from DP replica 0 only.
 
-    Only the train phase is counted (the layouts do not evaluate).
+    Only the train phase is counted (the layouts do not evaluate; gradients are recorded in training
+    steps only, one per forward value like the forward outputs).
     """
 
     def val(flag, default=None):

@@ -7,7 +7,11 @@
   (iteration, microbatch, layer), gathered to the full tensor over the tensor-parallel group with a
   collective inside the hook when the layout shards it (sequence parallelism for token rows, heads
   for attention), and written to $DMI_ORACLE_OUT/oracle-rank<R>.pt at exit. The per-token loss and
-  its mask are taken where the training step consumes them: pretrain_gpt's loss function. Tests compare DMI's
+  its mask are taken where the training step consumes them: pretrain_gpt's loss function. Gradients
+  (DMI's ``grad`` group) come from plain PyTorch backward hooks: a full backward pre-hook on the
+  core attention (its output's gradient) and tensor hooks on each layer's input and on each router's
+  gating output, keyed by the order of their backwards (a chunk's microbatches run backward in the
+  order of their forwards). Tests compare DMI's
   reconstructed records bitwise with what the model really computed in the same run.
 * ``DMI_TEST_KILL_AFTER_ITER=N``: the process kills itself with SIGKILL right after Megatron logs
   iteration N (a crash with no clean-up: what DMI had not flushed is lost, as in a real failure).
@@ -145,6 +149,51 @@ def layer_oracles(layer_module):
         layer_module.register_forward_hook(layer_output)
 
 
+grad_calls: collections.Counter = collections.Counter()
+
+
+def gradient_oracles(layer_module):
+    """dL/d(layer input), dL/d(core-attention output) and dL/d(router logits) of each training step's
+    backward, gathered over TP like their forward values (collectives inside backward hooks: every
+    TP rank runs the same backward graph, so the same hooks in the same order)."""
+    layer = layer_module.layer_number - 1
+    sequence_parallel = layer_module.config.sequence_parallel
+
+    def keep(output: str, gradient: torch.Tensor, dim: int | None) -> None:
+        iteration = get_args().curr_iteration + 1
+        microbatch = grad_calls[(output, iteration, layer)]
+        grad_calls[(output, iteration, layer)] += 1
+        with torch.no_grad():
+            if output == "grad.router_logits":  # [tokens, experts], as DMI stores router logits
+                gradient = gradient.reshape(-1, gradient.shape[-1])
+            gradient = _gather_tp(gradient.detach(), dim) if dim is not None else gradient.detach()
+        oracle.setdefault((iteration, microbatch, layer), {})[output] = gradient.cpu().clone()
+
+    def watch(output: str, tensor: torch.Tensor, dim: int | None, module) -> None:
+        if _training_forward(module) and tensor.requires_grad:
+            tensor.register_hook(lambda gradient: keep(output, gradient, dim))
+
+    def layer_input(module, args, kwargs):
+        watch("grad.resid_in", kwargs["hidden_states"], 0 if sequence_parallel else None, module)
+
+    def attention_output(module, grad_output):
+        if module.training:
+            keep("grad.attn_context", grad_output[0], -1)
+
+    layer_module.register_forward_pre_hook(layer_input, with_kwargs=True)
+    layer_module.self_attention.core_attention.register_full_backward_pre_hook(attention_output)
+    router = getattr(layer_module.mlp, "router", None)
+    if isinstance(router, TopKRouter):
+        gating = router.gating
+
+        def gating_with_hook(x):
+            logits = gating(x)
+            watch("grad.router_logits", logits, 0 if sequence_parallel else None, router)
+            return logits
+
+        router.gating = gating_with_hook
+
+
 upstream_model_provider = pretrain_gpt.model_provider
 
 
@@ -157,6 +206,7 @@ def model_provider(*args, **kwargs):
             m.self_attention.core_attention.register_forward_hook(attention_oracle(m.layer_number))
         if isinstance(m, TransformerLayer):
             layer_oracles(m)
+            gradient_oracles(m)
         if isinstance(m, GPTModel) and m.post_process:
             logits_oracles(m)
     return model

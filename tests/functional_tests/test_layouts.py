@@ -1,10 +1,10 @@
 """Distributed fidelity: for each parallel layout, several real processes (torch.distributed.run,
-gloo, CPU development mode) train the same tiny MoE with --dmi-hooks router,attn,resid,mlp,loss,logits and
---dmi-persist spool; the spool is loaded into a store in another process and
+gloo, CPU development mode) train the same tiny MoE with --dmi-hooks router,attn,resid,mlp,loss,logits,grad
+and --dmi-persist spool; the spool is loaded into a store in another process and
 
 * the stored record count equals the analytic count (layouts.expected_record_counts);
 * every full tensor the reader rebuilds equals, bitwise, the oracle taken inside the same run
-  (plain forward hooks copying synchronously, all-gathered over the TP group inside the hook);
+  (plain forward and backward hooks copying synchronously, all-gathered over the TP group inside the hook);
 * at iteration 1, where the layout does not change numerics, it equals bitwise the same tensor of
   a single-rank run (SINGLE_RANK_BITWISE says which outputs, and why the others cannot);
 * a store missing one rank's spool is refused by the reader, naming what is missing.
@@ -30,6 +30,7 @@ ALL = ROUTER + ("attn.context",)
 # microbatch 0 of MoE layers (and stored by DP rank 0 only)
 RESID_MLP = ("resid.in", "resid.out", "mlp.out", "mlp.shared", "router.weight", "loss.token")
 LOGITS = ("logits.topk", "logits.target")  # merged from vocabulary shards: compared with plain torch
+GRAD = ("grad.router_logits", "grad.attn_context", "grad.resid_in")  # from plain backward hooks
 
 # Outputs whose iteration-1 tensors equal a single-rank run bitwise, per layout. Why not the rest:
 # - TP: the attention output projection is row-parallel: each rank multiplies its heads' part and
@@ -128,7 +129,7 @@ def test_layout(name, tmp_path_factory):
             got = {o: dump["tensors"][key + (o, 0, dp)] for o in (("attn.context",) if layout.dense else ALL)}
             assert bitwise(got["attn.context"], seen["attn.context"]), (name, key, dp)
             compared += 1
-            for output in RESID_MLP:
+            for output in RESID_MLP + GRAD:
                 if output in seen and (output != "router.weight" or dp == 0):
                     assert bitwise(dump["tensors"][key + (output, 0, dp)], seen[output]), (name, key, dp, output)
                     compared_resid[output] = compared_resid.get(output, 0) + 1
@@ -153,7 +154,7 @@ def test_layout(name, tmp_path_factory):
     sp = layout.has("--sequence-parallel")
     assert compared_resid == {
         o: expected[o] // catalog.producers_per_replica(o, tp, sp)  # records per full tensor
-        for o in RESID_MLP + LOGITS
+        for o in RESID_MLP + LOGITS + GRAD
         if o in expected
     }, compared_resid
 

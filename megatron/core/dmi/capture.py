@@ -3,6 +3,8 @@
 It owns the step context (phase, iteration, microbatch, attempt) that the training integration
 sets from the running schedule, applies the selection (iteration, layer, output), and decides
 what a firing inside activation recomputation means (a replay: rejected, or kept as invocation 1).
+Gradients (backward outputs) are published from tensor hooks during backward, under the step
+fields of the forward that made the tensor (``gradient_firing``, ``publish_gradient``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def in_graph_warmup() -> bool:
 
 
 def inside_backward() -> bool:
-    """True while autograd runs a backward pass: the signature of a recompute replay.
+    """True while autograd runs a backward pass: the signature of a recompute replay (forward
+    code) and of a gradient hook (backward code, see ``Capture.publish_gradient``).
 
     "Grad enabled" is no test: full recompute runs the original forward without grad.
     """
@@ -86,6 +89,8 @@ class Capture:
         self.stats = CaptureStats()
         # Originals awaiting their replay, per (layer, output, vpp): backward replays a chunk's
         # microbatches in the order their forwards ran, so a FIFO recovers the replay's microbatch.
+        # A backward output queues there too when its original ran inside a checkpoint (see
+        # gradient_firing).
         self._awaiting_replay: dict[tuple, collections.deque[int]] = collections.defaultdict(collections.deque)
         # (output, layer, coords, placement, dtype, shape) -> (site key, transport handle), made once
         self._sites: dict[tuple, tuple[RecordKey, object]] = {}
@@ -139,6 +144,42 @@ class Capture:
             if not ok:
                 self.stats.dropped_keys.append(site.fired(firing))
         return sum(accepted)
+
+    def gradient_firing(self, output: str, layer: int, vpp: int, tensor: torch.Tensor) -> Firing | None:
+        """The step fields under which the gradient of ``tensor`` (this forward firing's value of
+        the backward output ``output``) is to be recorded, or None when no gradient hook belongs on
+        this tensor. Call it for every selected firing in a training forward.
+
+        Autograd differentiates the graph that made the tensor it uses. Without recompute that is the
+        original forward's. Inside a checkpoint the original forward runs without grad and its
+        replay, during backward, builds the graph that autograd differentiates: the original queues
+        its microbatch, and the replay (a FIFO per chunk, as for recorded replays) takes it. So each
+        gradient gets one hook, carrying the microbatch of its forward, not the schedule's current one.
+        """
+        queue = self._awaiting_replay[(layer, output, vpp)]
+        if inside_backward():
+            if not queue:  # its original ran with grad and holds the hook
+                return None
+            microbatch = queue.popleft()
+        elif not torch.is_grad_enabled():
+            queue.append(self.step.microbatch)
+            return None
+        else:
+            microbatch = self.step.microbatch
+        if not tensor.requires_grad:  # nothing upstream is trained: no gradient will come
+            return None
+        return Firing(self.step.iteration, microbatch, self.attempt, self.step.phase, 0)
+
+    def publish_gradient(
+        self, output: str, layer: int, coords: ParallelCoords, where: Placement, gradient: torch.Tensor, firing: Firing
+    ) -> bool:
+        """Publish a gradient from its tensor hook, with the step fields ``gradient_firing`` gave
+        in the forward (the schedule may have run other microbatches' forwards since)."""
+        site, handle = self._site(output, layer, coords, gradient, where)
+        (accepted,) = self.transport.publish_firings([handle], [gradient], [firing])
+        if not accepted:
+            self.stats.dropped_keys.append(site.fired(firing))
+        return accepted
 
     def _firing(self, output: str, layer: int, coords: ParallelCoords, replaying: bool) -> Firing:
         """This firing's step fields; a recorded replay takes its original's microbatch."""

@@ -69,10 +69,13 @@ class HookOutput:
     combine: Combine = "concat"
     shard_dim: int | None = None
     opt_in: bool = False  # captured only when named explicitly (or with "all")
-    in_all: bool = True  # False: not even "all" selects it (named explicitly only)
+    in_all: bool = True  # False: "all" does not select it (its name, or its group unless opt_in, does)
     scope: Scope = "layer"
     producers: Producers = "sequence"
     per_microbatch: bool = True  # False: once per captured (phase, iteration), at microbatch 0
+    # True: a gradient, recorded when the backward pass computes it, under the step fields of the forward
+    # that made the tensor; training steps only (evaluation runs no backward)
+    backward: bool = False
     # (local shape, itemsize) for a model; record sizes and counts are derived from it
     local_shape: Callable[[ModelShape], tuple[tuple[int, ...], int]] = lambda m: ((), 0)
 
@@ -80,6 +83,16 @@ class HookOutput:
 def _hidden_per_token(m: ModelShape) -> tuple[tuple[int, ...], int]:
     """[s_local, b, h] in the model dtype: the residual stream's shape on one rank."""
     return (m.seq_local, m.micro_batch, m.hidden), m.model_itemsize
+
+
+def _router_scores(m: ModelShape) -> tuple[tuple[int, ...], int]:
+    """[tokens, E] in the router dtype: one score per token and expert."""
+    return (m.router_tokens, m.num_experts), m.router_itemsize
+
+
+def _attention_context(m: ModelShape) -> tuple[tuple[int, ...], int]:
+    """[s, b, heads_local * d] in the model dtype: this rank's heads of the core-attention output."""
+    return (m.seq_length, m.micro_batch, m.heads // m.tp * m.head_dim), m.model_itemsize
 
 
 OUTPUTS: tuple[HookOutput, ...] = (
@@ -90,7 +103,7 @@ OUTPUTS: tuple[HookOutput, ...] = (
         "router dtype",
         "Raw gating logits of every token for every expert, before top-k and capacity dropping.",
         scope="moe_layer",
-        local_shape=lambda m: ((m.router_tokens, m.num_experts), m.router_itemsize),
+        local_shape=_router_scores,
     ),
     HookOutput(
         "router.topk_ids",
@@ -129,7 +142,7 @@ OUTPUTS: tuple[HookOutput, ...] = (
         "Core-attention output before the output projection. Tensor parallelism shards the last dim by heads.",
         shard_dim=-1,
         producers="tensor",
-        local_shape=lambda m: ((m.seq_length, m.micro_batch, m.heads // m.tp * m.head_dim), m.model_itemsize),
+        local_shape=_attention_context,
     ),
     HookOutput(
         "attn.q",
@@ -259,6 +272,44 @@ OUTPUTS: tuple[HookOutput, ...] = (
         in_all=False,
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.vocab // m.tp), m.model_itemsize),
     ),
+    HookOutput(
+        "grad.router_logits",
+        "grad",
+        "[tokens, E]",
+        "router dtype",
+        "Gradient of the loss with respect to router.logits (the routing step's input, so the gradients of "
+        "the z-loss and the load-balancing losses are included), as the backward pass computes it. "
+        "Sequence parallelism shards tokens over TP ranks.",
+        scope="moe_layer",
+        in_all=False,
+        backward=True,
+        local_shape=_router_scores,
+    ),
+    HookOutput(
+        "grad.attn_context",
+        "grad",
+        "[s, b, heads_local * d]",
+        "model dtype",
+        "Gradient of the loss with respect to attn.context (the core-attention output), as the backward "
+        "pass computes it. Tensor parallelism shards the last dim by heads.",
+        shard_dim=-1,
+        producers="tensor",
+        in_all=False,
+        backward=True,
+        local_shape=_attention_context,
+    ),
+    HookOutput(
+        "grad.resid_in",
+        "grad",
+        "[s_local, b, h]",
+        "model dtype",
+        "Gradient of the loss with respect to resid.in (the transformer layer's input, through the residual "
+        "path and the layer together), as the backward pass computes it. Sequence parallelism shards dim 0 "
+        "over TP ranks.",
+        in_all=False,
+        backward=True,
+        local_shape=_hidden_per_token,
+    ),
 )
 
 BY_NAME: dict[str, HookOutput] = {o.name: o for o in OUTPUTS}
@@ -329,6 +380,22 @@ def parse_hooks(spec: str | Iterable[str]) -> frozenset[str]:
     return frozenset(selected)
 
 
+class UnsupportedUnderGraphsError(DMIError, ValueError):
+    """Selected outputs that cannot be captured when the model replays from CUDA graphs."""
+
+
+def check_graph_support(hooks: frozenset[str]) -> None:
+    """Refuse the backward outputs (group ``grad``) under CUDA graphs: their tensor hooks are Python
+    callbacks that a graph replay of the backward pass never runs."""
+    backward = sorted(o for o in hooks if BY_NAME[o].backward)
+    if backward:
+        raise UnsupportedUnderGraphsError(
+            f"{', '.join(backward)} cannot be captured under CUDA graphs (--cuda-graph-impl): they are "
+            "recorded by tensor hooks in the backward pass, which a graph replay does not run; capture them in "
+            "a run without CUDA graphs"
+        )
+
+
 def outputs_of_group(group: str, selected: frozenset[str]) -> list[str]:
     return [o.name for o in OUTPUTS if o.group == group and o.name in selected]
 
@@ -345,6 +412,21 @@ _SCOPE = {
     "shared_expert_layer": "MoE layers with a shared expert",
     "last_layer": "last layer",
 }
+# (opt_in, in_all) -> the "opt-in" column: how a user selects the output beyond its group
+_OPT_IN_TEXT = {
+    (False, True): "no",
+    (True, True): "yes",
+    (True, False): "named only",
+    (False, False): "group or name, not all",
+}
+
+
+def opt_in_text(output: HookOutput) -> str:
+    """How ``output`` is selected: "no" (by its group and all), "yes" (by name or all), "named
+    only", or "group or name, not all"."""
+    return _OPT_IN_TEXT[(output.opt_in, output.in_all)]
+
+
 _COMBINE_TEXT = {
     "sum": "sum over token shards",
     "topk": "top-k of the vocabulary shards' union",
@@ -392,9 +474,10 @@ def markdown_table() -> str:
             "token range on dim 0" + (f", shard index on dim {o.shard_dim}" if o.shard_dim is not None else "")
         )
         when = _SCOPE[o.scope] + ("" if o.per_microbatch else ", once per iteration")
+        when += ", in backward (training steps)" if o.backward else ""
         lines.append(
             f"| `{o.name}` | `{o.group}` | {o.shape} | {o.dtype} | {how} | {when} | {_PUBLISHED_BY[o.producers]} "
-            f"| {'named only' if not o.in_all else 'yes' if o.opt_in else 'no'} | {o.doc} |"
+            f"| {opt_in_text(o)} | {o.doc} |"
         )
     lines += [
         "",

@@ -414,6 +414,24 @@ def cmd_loss_vs_routing(args) -> int:
     return 0
 
 
+def cmd_grad_norms(args) -> int:
+    from megatron.core.dmi.reader.analyses import grad_norms
+
+    with _open(args) as store:
+        result = grad_norms(store, args.run_id, args.phase, args.layer, args.iteration)
+    per_layer = result.layers.pivot_table(index=["iteration", "layer"], columns="output", values="rms_per_token")
+    print("gradient RMS per token (L2 norm over the iteration's tokens / sqrt(tokens)), per layer:")
+    _print_table(per_layer.reset_index())
+    print("\nper layer (mean over iterations):")
+    _print_table(per_layer.groupby("layer").mean().reset_index())
+    if not result.experts.empty:
+        share = result.experts.pivot_table(index=["iteration", "layer"], columns="expert", values="share")
+        share.columns = [f"e{c}" for c in share.columns]
+        print("\nrouter-logit gradient per expert: share of the layer's squared norm (%):")
+        _print_table((share * 100).round(1).reset_index())
+    return 0
+
+
 def _analysis_args(p, layer_help: str) -> None:
     _store_arg(p)
     _run_arg(p)
@@ -438,6 +456,12 @@ def _setup_loss_vs_routing(p):
     p.set_defaults(func=cmd_loss_vs_routing)
 
 
+def _setup_grad_norms(p):
+    _analysis_args(p, "restrict to these layers")
+    p.add_argument("--iteration", type=int, action="append", default=None, help="restrict to these iterations")
+    p.set_defaults(func=cmd_grad_norms)
+
+
 add_subcommand(
     "routing-concentration",
     _setup_routing_concentration,
@@ -452,6 +476,13 @@ add_subcommand(
     "loss-vs-routing",
     _setup_loss_vs_routing,
     "per-token loss of tokens whose routes were dropped vs kept, per layer and iteration",
+)
+
+
+add_subcommand(
+    "grad-norms",
+    _setup_grad_norms,
+    "gradient norms (needs --dmi-hooks grad) per layer and per expert over iterations",
 )
 
 

@@ -647,8 +647,9 @@ def cmd_hooks(args: argparse.Namespace) -> int:
     if args.markdown:
         print(catalog.markdown_table())
         return 0
+    print(f"{'output':<22} {'group':<7} {'local shape':<26} {'dtype':<13} opt-in")
     for o in catalog.OUTPUTS:
-        print(f"{o.name:<22} {o.group:<7} {o.shape:<26} {o.dtype:<13} {'opt-in' if o.opt_in else ''}")
+        print(f"{o.name:<22} {o.group:<7} {o.shape:<26} {o.dtype:<13} {catalog.opt_in_text(o)}")
     print("groups: " + ", ".join(f"{g} = {','.join(v)}" for g, v in catalog.GROUPS.items()) + "; also all, none")
     return 0
 

@@ -36,6 +36,7 @@ import torch
 
 from megatron.core.dmi import provenance
 from megatron.core.dmi.capture import GATE_ORIGINAL, Capture
+from megatron.core.dmi.catalog import check_graph_support
 from megatron.core.dmi.config import DMIConfig, check_run_id
 from megatron.core.dmi.drain import Drain
 from megatron.core.dmi.hooks.install import HookSet, rank_coords
@@ -125,7 +126,10 @@ class DMISession:
         (``state()``), or None for a fresh start. ``cuda_graphs``: the model's forwards replay from
         CUDA graphs, so the step context travels through the device gate and context block.
         ``run_facts``: values the model config does not hold (sequence length, vocabulary, batch
-        sizes) for the runs table; ``command_line`` defaults to ``sys.argv``."""
+        sizes) for the runs table; ``command_line`` defaults to ``sys.argv``. Raises
+        UnsupportedUnderGraphsError for ``grad`` outputs with ``cuda_graphs``."""
+        if cuda_graphs:
+            check_graph_support(config.hooks)
         self.config = config
         run_id, attempt = None, None
         if not _dist() or torch.distributed.get_rank() == 0:

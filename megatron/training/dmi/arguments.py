@@ -20,7 +20,13 @@ from dataclasses import Field, fields
 
 from megatron.training.argument_utils import ArgumentGroupFactory
 
-from megatron.core.dmi.catalog import BY_NAME, ModelShape, record_bytes
+from megatron.core.dmi.catalog import (
+    BY_NAME,
+    ModelShape,
+    UnsupportedUnderGraphsError,
+    check_graph_support,
+    record_bytes,
+)
 from megatron.core.dmi.config import CaptureWindowError, DMIConfig
 from megatron.core.dmi.sinks.backend import PASSWORD_ENV
 
@@ -216,6 +222,10 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
                 "fix the URL or use --dmi-persist spool and load the spool later",
             )
     if getattr(args, "cuda_graph_impl", "none") != "none":
+        try:
+            check_graph_support(frozenset(args.dmi_hooks))
+        except UnsupportedUnderGraphsError as exc:
+            _fail("--dmi-hooks", str(exc))
         if args.dmi_transport == "torch":
             _fail(
                 "--dmi-transport",

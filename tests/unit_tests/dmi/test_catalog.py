@@ -15,7 +15,11 @@ def test_groups_expand_to_their_default_outputs():
 
 def test_opt_in_outputs_by_name_and_all():
     assert catalog.parse_hooks("attn,attn.q,attn.k") == {"attn.context", "attn.q", "attn.k"}
-    assert catalog.parse_hooks("all") == set(catalog.BY_NAME) - {"logits.full"}  # named only: vocabulary-sized
+    # logits.full is named only (vocabulary-sized); grad is selected by its group or names (backward hooks)
+    grads = {"grad.router_logits", "grad.attn_context", "grad.resid_in"}
+    assert catalog.parse_hooks("all") == set(catalog.BY_NAME) - {"logits.full"} - grads
+    assert catalog.parse_hooks("grad") == grads
+    assert catalog.parse_hooks("all,grad") == set(catalog.BY_NAME) - {"logits.full"}
     assert "logits.full" in catalog.parse_hooks("all,logits.full")
     assert catalog.parse_hooks("none") == frozenset()
 
@@ -90,6 +94,32 @@ def test_resid_and_mlp_shapes_and_groups():
 def test_producers_per_replica(output, tp, sp, want):
     assert catalog.producers_per_replica(output, tp, sp) == want
     assert catalog.producers_per_replica("router.weight", tp, sp, dp_rank0=False) == 0
+
+
+def test_gradients_are_shaped_and_sharded_like_their_forward_outputs():
+    m = catalog.ModelShape(
+        seq_length=32,
+        micro_batch=2,
+        num_experts=8,
+        topk=2,
+        heads=4,
+        query_groups=4,
+        head_dim=16,
+        hidden=64,
+        tp=2,
+        sequence_parallel=True,
+        model_itemsize=2,
+    )
+    for forward, gradient in (
+        ("router.logits", "grad.router_logits"),
+        ("attn.context", "grad.attn_context"),
+        ("resid.in", "grad.resid_in"),
+    ):
+        f, g = catalog.BY_NAME[forward], catalog.BY_NAME[gradient]
+        assert g.backward and not f.backward
+        assert g.local_shape(m) == f.local_shape(m)
+        assert (g.combine, g.shard_dim, g.scope, g.producers) == (f.combine, f.shard_dim, f.scope, f.producers)
+    assert "| `grad.resid_in` | 256 | 8,192 |" in catalog.markdown_table()
 
 
 def test_scopes_pick_layers():

@@ -114,19 +114,9 @@ def test_expert_load_iteration_honours_layer(store):
 
 def test_tensor_error_names_the_cli_flag(store):
     d, _ = store
-    rc, err = run_isolated(_cli_stderr, ["tensor", d, "--output", "router.logits", "--iteration", "2"])
+    rc, err = run_isolated(W.cli_stderr, ["tensor", d, "--output", "router.logits", "--iteration", "2"])
     assert rc == 2
     assert "pass --layer" in err and "layer=" not in err, err
-
-
-def _cli_stderr(argv):
-    import contextlib
-    import io
-
-    buf = io.StringIO()
-    with contextlib.redirect_stderr(buf):
-        rc = cli.main(argv)
-    return rc, buf.getvalue()
 
 
 def _write_two_runs(d: str) -> None:

@@ -5,8 +5,11 @@ import os
 import subprocess
 import sys
 
-from megatron.core.dmi.catalog import parse_hooks
+import pytest
+
+from megatron.core.dmi.catalog import UnsupportedUnderGraphsError, parse_hooks
 from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.session import DMISession
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -81,3 +84,11 @@ def test_the_session_hands_the_ring_and_drain_settings_of_its_config_to_the_tran
         assert session.drain.batch_records == 7
     finally:
         session.close()
+
+
+def test_gradients_under_cuda_graphs_are_refused_before_anything_starts(tmp_path):
+    config = DMIConfig(hooks=parse_hooks("router,grad.attn_context"), persist="none", store_dir=str(tmp_path))
+    with pytest.raises(UnsupportedUnderGraphsError, match=r"grad\.attn_context .*--cuda-graph-impl") as e:
+        DMISession(config, cuda_graphs=True)
+    assert isinstance(e.value, DMIError)
+    assert not (tmp_path / "attempts").exists()  # refused before a run id or attempt was taken

@@ -6,7 +6,8 @@ sees post-RoPE query/key (inputs) and the context (output). Residual stream: a f
 each layer's ``input_layernorm`` (IdentityOp when the norm is fused into the QKV projection) sees
 the layer input, one on the block's ``final_layernorm`` the last layer's output, and a pre-hook on
 the block publishes its routers' weights once per iteration. MLP: a forward hook on ``mlp``. Loss:
-a forward hook on the language model (GPTModel) given labels. The
+a forward hook on the language model (GPTModel) given labels. Gradients: tensor hooks set in the
+forward on the layer input, the core-attention output and the routing input fire in backward. The
 sub-module sites sit inside the layer, so they fire inside a layer's CUDA graph and inside
 activation recompute like the router and attention sites do. Every site knows its global layer and
 its rank's parallel coordinates; the Capture decides per firing whether a record is made.
@@ -234,6 +235,86 @@ def _mlp_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) 
     hooks.layers.setdefault(layer, []).append("mlp")
 
 
+def _watch_gradient(
+    hooks: HookSet,
+    layer_module: TransformerLayer,
+    output: str,
+    coords: ParallelCoords,
+    tensor: torch.Tensor,
+    where: Placement | None,
+    record_shape: tuple[int, ...],
+) -> None:
+    """Have the backward pass publish the gradient of ``tensor`` as ``output`` (shaped
+    ``record_shape``) with this forward's step fields: a tensor hook fires once, with the gradient,
+    when autograd has summed every use of the tensor. Evaluation forwards have no backward."""
+    capture = hooks.capture
+    layer = layer_module.layer_number - 1
+    if where is None or not layer_module.training or not capture.wants(output, layer):
+        return
+    firing = capture.gradient_firing(output, layer, coords.vpp, tensor)
+    if firing is None:
+        return
+
+    def publish(gradient: torch.Tensor) -> None:
+        with torch.no_grad():
+            capture.publish_gradient(output, layer, coords, where, gradient.reshape(record_shape), firing)
+
+    tensor.register_hook(publish)
+
+
+def _grad_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) -> None:
+    """Gradients of a forward output, each from a tensor hook set on the tensor in the forward (see
+    Capture.gradient_firing for recompute): grad.resid_in on the layer's input (a pre-hook on the
+    layer: an input-norm pre-hook would see the norm's own recompute, whose gradient misses the
+    residual path), grad.attn_context on the core-attention output, grad.router_logits on the
+    routing step's input (the router's ``routing`` wrapped again; ``remove`` drops every wrapper)."""
+    capture = hooks.capture
+    wanted = catalog.outputs_of_group("grad", capture.config.hooks)
+    shards = TokenShards.of(module.config, coords)
+
+    def layer_input(layer_module, args, kwargs):
+        if capture.idle:
+            return
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        where = shards.placement(hidden.shape[0])
+        _watch_gradient(hooks, module, "grad.resid_in", coords, hidden, where, hidden.shape)
+
+    if "grad.resid_in" in wanted:
+        hooks._handles.append(module.register_forward_pre_hook(layer_input, with_kwargs=True))
+
+    core_attention = getattr(getattr(module, "self_attention", None), "core_attention", None)
+    tp = tp_size()
+
+    def attention_output(attention, args, output):
+        if capture.idle:
+            return
+        context = output[0] if isinstance(output, tuple) else output
+        seq = context.shape[0]
+        where = Placement(0, seq, seq, shard_index=coords.tp, shard_count=tp)
+        _watch_gradient(hooks, module, "grad.attn_context", coords, context, where, context.shape)
+
+    if "grad.attn_context" in wanted and core_attention is not None:
+        hooks._handles.append(core_attention.register_forward_hook(attention_output))
+
+    router = getattr(getattr(module, "mlp", None), "router", None)
+    if "grad.router_logits" in wanted and isinstance(router, TopKRouter):
+        routing_step = router.routing
+        router_shards = TokenShards.of(router.config, coords)
+
+        def routing(logits: torch.Tensor, *args, **kwargs):
+            if not capture.idle:
+                experts = logits.shape[-1]
+                rows = logits.numel() // experts
+                where = router_shards.placement(rows)
+                _watch_gradient(hooks, module, "grad.router_logits", coords, logits, where, (rows, experts))
+            return routing_step(logits, *args, **kwargs)
+
+        router.routing = routing
+        if router not in hooks._wrapped_routers:
+            hooks._wrapped_routers.append(router)
+    hooks.layers.setdefault(module.layer_number - 1, []).append("grad")
+
+
 def _resid_block_site(hooks: HookSet, block: TransformerBlock, coords: ParallelCoords) -> None:
     """resid.out at the final norm of the block holding the model's last layer, and router.weight of
     the block's MoE layers once per iteration (microbatch 0; TP rank 0 of DP rank 0 publishes: the
@@ -358,6 +439,12 @@ def vocabulary_views(
     return out
 
 
-_LAYER_SITES = {"router": _router_site, "attn": _attention_site, "resid": _resid_in_site, "mlp": _mlp_site}
+_LAYER_SITES = {
+    "router": _router_site,
+    "attn": _attention_site,
+    "resid": _resid_in_site,
+    "mlp": _mlp_site,
+    "grad": _grad_site,
+}
 _BLOCK_SITES = {"resid": _resid_block_site}
 _MODEL_SITES = {"loss": _loss_site, "logits": _logits_site}

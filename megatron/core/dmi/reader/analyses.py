@@ -15,6 +15,10 @@
   their top-k routes (``router.topk_ids`` holds the sentinel E) against tokens that kept all of
   them, per iteration and layer.
 
+- ``grad_norms``: where does the training signal go? The L2 norms of the captured gradients
+  (``grad.resid_in``, ``grad.attn_context``, ``grad.router_logits``) per layer and iteration, and of
+  each expert's column of ``grad.router_logits`` (the router's learning signal towards that expert).
+
 The first two count the router's choices before capacity dropping: they describe what the router
 wants, not what the capacity factor lets through (``Store.drop_rate`` covers that).
 """
@@ -258,3 +262,84 @@ def loss_vs_routing(
             }
         )
     return pd.DataFrame(rows)
+
+
+GRADIENTS = ("grad.resid_in", "grad.attn_context", "grad.router_logits")
+
+
+@dataclass
+class GradNorms:
+    """``layers``: iteration, layer, output, tokens, norm (L2 norm of the output's gradient over the
+    iteration's tokens: every stored microbatch and data-parallel rank), rms_per_token (norm /
+    sqrt(tokens): the root mean square of the per-token gradient norms);
+    ``experts``: iteration, layer, expert, norm (L2 norm of expert e's column of
+    ``grad.router_logits`` over the same tokens), share (norm^2 over the layer's sum of norm^2)."""
+
+    layers: pd.DataFrame
+    experts: pd.DataFrame
+
+
+def grad_norms(
+    store: Store,
+    run_id: str | None = None,
+    phase: str = "train",
+    layers: Sequence[int] | None = None,
+    iterations: Sequence[int] | None = None,
+) -> GradNorms:
+    """Gradient norms per (iteration, layer, output) and per (iteration, layer, expert), accumulated
+    in fp64 from the rebuilt tensors. The gradients are those autograd computed: of the loss the
+    schedule backpropagates (divided by the number of microbatches, times the loss scale under
+    fp16), so compare layers and experts within a run, and iterations at a constant loss scale."""
+    run_id = store.resolve_run(run_id)
+    visible = store.visible_attempts(run_id)
+    its = sorted(i for p, i in visible if p == phase and (not iterations or i in set(iterations)))
+    wanted_layers = set(layers or ())
+    squares: dict[tuple[int, int, str], list] = {}  # (iteration, layer, output) -> [sum of squares, tokens]
+    expert_squares: dict[tuple[int, int], torch.Tensor] = {}  # (iteration, layer) -> [E] sums of squares
+    for it in its:
+        attempt = visible[(phase, it)]
+        for output in GRADIENTS:
+            for layer, dp, mb in _stored(store, run_id, phase, it, attempt, output, "layer, dp, microbatch"):
+                if wanted_layers and layer not in wanted_layers:
+                    continue
+                gradient = store.tensor(run_id, output, it, mb, layer, phase, dp).double()
+                acc = squares.setdefault((it, layer, output), [0.0, 0])
+                acc[0] += float(gradient.square().sum())
+                acc[1] += gradient.numel() // gradient.shape[-1]  # every dim but the last is tokens
+                if output == "grad.router_logits":
+                    columns = gradient.square().sum(dim=0)
+                    expert_squares[(it, layer)] = expert_squares.get((it, layer), 0) + columns
+    if not squares:
+        raise StoreError(
+            "no gradients captured for these iterations and layers (capture --dmi-hooks grad, or some of "
+            + ", ".join(GRADIENTS)
+            + ")"
+        )
+    layer_rows = [
+        {
+            "iteration": it,
+            "layer": layer,
+            "output": output,
+            "tokens": tokens,
+            "norm": float(np.sqrt(total)),
+            "rms_per_token": float(np.sqrt(total / tokens)) if tokens else float("nan"),
+        }
+        for (it, layer, output), (total, tokens) in sorted(squares.items())
+    ]
+    expert_rows = []
+    for (it, layer), columns in sorted(expert_squares.items()):
+        total = float(columns.sum())
+        for expert, value in enumerate(columns.tolist()):
+            expert_rows.append(
+                {
+                    "iteration": it,
+                    "layer": layer,
+                    "expert": expert,
+                    "norm": float(np.sqrt(value)),
+                    "share": value / total if total > 0 else float("nan"),
+                }
+            )
+    return GradNorms(
+        pd.DataFrame(layer_rows, columns=["iteration", "layer", "output", "tokens", "norm", "rms_per_token"]),
+        pd.DataFrame(expert_rows, columns=["iteration", "layer", "expert", "norm", "share"]),
+    )

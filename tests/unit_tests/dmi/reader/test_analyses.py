@@ -1,8 +1,8 @@
-"""Routing analyses on the store of a real tiny MoE run (pretrain_gpt.py on the CPU with
---dmi-hooks router,resid,loss and capacity factor 1.0, so that routes are dropped), checked against
-the same quantities computed with plain torch from the run's independent oracle (plain forward
-hooks on the routers and layers and pretrain_gpt's loss function, tests/functional_tests/
-oracle_launch.py)."""
+"""Analyses on the store of a real tiny MoE run (pretrain_gpt.py on the CPU with
+--dmi-hooks router,resid,loss,grad and capacity factor 1.0, so that routes are dropped), checked
+against the same quantities computed with plain torch from the run's independent oracle (plain
+forward and backward hooks on the routers and layers and pretrain_gpt's loss function,
+tests/functional_tests/oracle_launch.py)."""
 
 import os
 
@@ -27,7 +27,7 @@ def run(tmp_path_factory):
             "--train-iters",
             str(ITERATIONS),
             "--dmi-hooks",
-            "router,resid,loss",
+            "router,resid,loss,grad",
             "--moe-expert-capacity-factor",
             "1.0",
             "--dmi-store-dir",
@@ -154,6 +154,46 @@ def test_loss_vs_routing_matches_the_oracle(run):
                 assert row[column] == pytest.approx(sum(values) / len(values), rel=1e-12)
 
 
+def grad_table(store_dir: str):
+    from megatron.core.dmi.reader import open_store
+    from megatron.core.dmi.reader.analyses import grad_norms
+
+    with open_store(store_dir) as store:
+        r = grad_norms(store)
+    return r.layers, r.experts
+
+
+def test_grad_norms_match_the_oracle(run):
+    """Norms over every microbatch of an iteration, from the oracle's plain backward hooks."""
+    store, oracle = run
+    layers, experts = run_isolated(grad_table, store)
+    gradients = ("grad.attn_context", "grad.resid_in", "grad.router_logits")
+    assert sorted(zip(layers.iteration, layers.layer, layers.output)) == [
+        (it, layer, o) for it in range(1, ITERATIONS + 1) for layer in (0, 1) for o in gradients
+    ]
+    for _, row in layers.iterrows():
+        seen = [v[row["output"]].double() for (i, _mb, l), v in oracle.items() if (i, l) == (row.iteration, row.layer)]
+        assert len(seen) == 2  # microbatches
+        tokens = sum(g.numel() // g.shape[-1] for g in seen)
+        squares = sum(float(g.square().sum()) for g in seen)
+        assert row["tokens"] == tokens == 2 * 32 * 2  # microbatches x sequence x micro batch
+        assert row["norm"] == pytest.approx(squares**0.5, rel=1e-12) and row["norm"] > 0
+        assert row["rms_per_token"] == pytest.approx((squares / tokens) ** 0.5, rel=1e-12)
+    assert sorted(set(zip(experts.iteration, experts.layer))) == [
+        (it, layer) for it in range(1, ITERATIONS + 1) for layer in (0, 1)
+    ]
+    for (it, layer), d in experts.groupby(["iteration", "layer"]):
+        columns = sum(
+            v["grad.router_logits"].double().square().sum(dim=0)
+            for (i, _mb, l), v in oracle.items()
+            if (i, l) == (it, layer)
+        )
+        d = d.sort_values("expert")
+        assert d["expert"].tolist() == list(range(EXPERTS))
+        assert d["norm"].to_numpy() == pytest.approx(columns.sqrt().numpy(), rel=1e-12)
+        assert d["share"].to_numpy() == pytest.approx((columns / columns.sum()).numpy(), rel=1e-12)
+
+
 def test_cli_commands(run):
     store, _ = run
     rc, out = run_isolated(W.load_cli, ["routing-concentration", store, "--window", "2"])
@@ -165,21 +205,35 @@ def test_cli_commands(run):
     rc, out = run_isolated(W.load_cli, ["loss-vs-routing", store])
     assert rc == 0, out
     assert "loss_dropped" in out and "loss_kept" in out
+    rc, out = run_isolated(W.load_cli, ["grad-norms", store, "--layer", "1"])
+    assert rc == 0, out
+    assert "gradient RMS per token" in out and "grad.resid_in" in out and "router-logit gradient per expert" in out
 
 
-def test_predictability_needs_resid(tmp_path):
-    """A store without resid.in/router.weight gets a one-line error naming what to capture."""
+def test_predictability_and_grad_norms_name_what_to_capture(tmp_path):
+    """A store without resid.in/router.weight or gradients gets a one-line error naming what to capture."""
     recs = W.moe_records(iterations=range(1, 3), layers=(0, 1), experts=4, seed=3)
     run_isolated(W.write_embedded, str(tmp_path / "s"), recs, [W.run_info()])
     rc, _ = run_isolated(W.load_cli, ["routing-predictability", str(tmp_path / "s")])
     assert rc == 2
+    rc, err = run_isolated(W.cli_stderr, ["grad-norms", str(tmp_path / "s")])
+    assert rc == 2 and "--dmi-hooks grad" in err
 
 
 def test_plots(run, tmp_path):
     store, _ = run
     written = run_isolated(W.run_plot_example, store, str(tmp_path / "png"))
     names = sorted(os.path.basename(p) for p in written)
-    assert {"hot_experts.png", "topn_coverage.png", "routing_predictability.png", "loss_vs_routing.png"} <= set(names)
+    assert {
+        "hot_experts.png",
+        "topn_coverage.png",
+        "routing_predictability.png",
+        "loss_vs_routing.png",
+        "grad_norm_resid_in.png",
+        "grad_norm_attn_context.png",
+        "grad_norm_router_logits.png",
+        "grad_norm_experts.png",
+    } <= set(names)
     for p in written:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

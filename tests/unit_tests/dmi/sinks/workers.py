@@ -305,6 +305,19 @@ def load_cli(argv: list[str]) -> tuple[int, str]:
     return rc, buf.getvalue()
 
 
+def cli_stderr(argv: list[str]) -> tuple[int, str]:
+    """Run the CLI in this process, capturing stderr (where its errors go)."""
+    import contextlib
+    import io
+
+    from megatron.core.dmi.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf):
+        rc = main(argv)
+    return rc, buf.getvalue()
+
+
 def run_plot_example(store_dir: str, out_dir: str) -> list[str]:
     import importlib.util
 

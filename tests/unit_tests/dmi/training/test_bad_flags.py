@@ -35,6 +35,11 @@ CASES = {
         "--cuda-graph-scope",
         "full_iteration graphs replay every microbatch",
     ),
+    "gradients under CUDA graphs": (
+        ["--dmi-hooks", "router,grad", "--cuda-graph-impl", "local", "--no-check-for-nan-in-loss-and-grad"],
+        "--dmi-hooks",
+        "grad.attn_context, grad.resid_in, grad.router_logits cannot be captured under CUDA graphs (--cuda-graph-impl)",
+    ),
     "logits with multi-token prediction": (
         ["--dmi-hooks", "loss,logits", "--mtp-num-layers", "1"],
         "--dmi-hooks",
