@@ -32,7 +32,7 @@ from tests.functional_tests.layouts import expected_record_counts
 from tests.functional_tests.oracle_compare import bitwise, topk_consistent
 
 # graph case -> the eager case whose stored tensors it is compared with
-EAGER_TWIN = {"te_cuda_graph": "te_router_attn", "te_cuda_graph_dense_layer": "te_dense"}
+EAGER_TWIN = {"te_cuda_graph": "te_router_attn_bf16", "te_cuda_graph_dense_layer": "te_dense_bf16"}
 
 
 def _case_dir(name: str) -> str | None:

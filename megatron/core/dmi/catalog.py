@@ -45,6 +45,17 @@ class ModelShape:
     hidden: int = 0
     vocab: int = 0  # padded vocabulary (all TP shards)
     logits_topk: int = 8
+    qk_head_dim: int = 0  # per-head query/key width where it differs from head_dim (multi-latent attention)
+    v_head_dim: int = 0  # per-head value (context) width where it differs from head_dim (multi-latent attention)
+    residual_itemsize: int = 0  # the residual stream's element size where it differs (--fp32-residual-connection)
+
+    @property
+    def q_dim(self) -> int:
+        return self.qk_head_dim or self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
     @property
     def seq_local(self) -> int:
@@ -81,8 +92,13 @@ class HookOutput:
 
 
 def _hidden_per_token(m: ModelShape) -> tuple[tuple[int, ...], int]:
-    """[s_local, b, h] in the model dtype: the residual stream's shape on one rank."""
+    """[s_local, b, h] in the model dtype: a sub-layer's output on one rank."""
     return (m.seq_local, m.micro_batch, m.hidden), m.model_itemsize
+
+
+def _residual_stream(m: ModelShape) -> tuple[tuple[int, ...], int]:
+    """[s_local, b, h] in the residual dtype: the residual stream between layers on one rank."""
+    return (m.seq_local, m.micro_batch, m.hidden), m.residual_itemsize or m.model_itemsize
 
 
 def _router_scores(m: ModelShape) -> tuple[tuple[int, ...], int]:
@@ -92,7 +108,7 @@ def _router_scores(m: ModelShape) -> tuple[tuple[int, ...], int]:
 
 def _attention_context(m: ModelShape) -> tuple[tuple[int, ...], int]:
     """[s, b, heads_local * d] in the model dtype: this rank's heads of the core-attention output."""
-    return (m.seq_length, m.micro_batch, m.heads // m.tp * m.head_dim), m.model_itemsize
+    return (m.seq_length, m.micro_batch, m.heads // m.tp * m.v_dim), m.model_itemsize
 
 
 OUTPUTS: tuple[HookOutput, ...] = (
@@ -153,7 +169,7 @@ OUTPUTS: tuple[HookOutput, ...] = (
         shard_dim=2,
         opt_in=True,
         producers="tensor",
-        local_shape=lambda m: ((m.seq_length, m.micro_batch, m.heads // m.tp, m.head_dim), m.model_itemsize),
+        local_shape=lambda m: ((m.seq_length, m.micro_batch, m.heads // m.tp, m.q_dim), m.model_itemsize),
     ),
     HookOutput(
         "attn.k",
@@ -164,26 +180,26 @@ OUTPUTS: tuple[HookOutput, ...] = (
         shard_dim=2,
         opt_in=True,
         producers="tensor",
-        local_shape=lambda m: ((m.seq_length, m.micro_batch, m.query_groups // m.tp, m.head_dim), m.model_itemsize),
+        local_shape=lambda m: ((m.seq_length, m.micro_batch, m.query_groups // m.tp, m.q_dim), m.model_itemsize),
     ),
     HookOutput(
         "resid.in",
         "resid",
         "[s_local, b, h]",
-        "model dtype",
+        "residual dtype",
         "Hidden states entering the transformer layer (the residual stream before its input norm); "
         "layer 0's is the embedding output. Sequence parallelism shards dim 0 over TP ranks.",
-        local_shape=_hidden_per_token,
+        local_shape=_residual_stream,
     ),
     HookOutput(
         "resid.out",
         "resid",
         "[s_local, b, h]",
-        "model dtype",
+        "residual dtype",
         "Output of the model's last transformer layer, before the final norm (recorded under that "
         "layer's number). Sequence parallelism shards dim 0 over TP ranks.",
         scope="last_layer",
-        local_shape=_hidden_per_token,
+        local_shape=_residual_stream,
     ),
     HookOutput(
         "router.weight",
@@ -302,13 +318,13 @@ OUTPUTS: tuple[HookOutput, ...] = (
         "grad.resid_in",
         "grad",
         "[s_local, b, h]",
-        "model dtype",
+        "residual dtype",
         "Gradient of the loss with respect to resid.in (the transformer layer's input, through the residual "
         "path and the layer together), as the backward pass computes it. Sequence parallelism shards dim 0 "
         "over TP ranks.",
         in_all=False,
         backward=True,
-        local_shape=_hidden_per_token,
+        local_shape=_residual_stream,
     ),
 )
 

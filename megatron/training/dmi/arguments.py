@@ -154,6 +154,9 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
         hidden=args.hidden_size,
         vocab=getattr(args, "padded_vocab_size", None) or args.vocab_size or 0,
         logits_topk=args.dmi_logits_topk,
+        qk_head_dim=args.qk_head_dim + args.qk_pos_emb_head_dim if args.multi_latent_attention else 0,
+        v_head_dim=args.v_head_dim if args.multi_latent_attention else 0,
+        residual_itemsize=4 if args.fp32_residual_connection else 0,
     )
 
 

@@ -52,6 +52,20 @@ def test_record_sizes_follow_the_model_shape():
     assert catalog.BY_NAME["attn.k"].local_shape(m)[0] == (32, 2, 1, 16)
 
 
+def test_latent_attention_and_fp32_residual_sizes():
+    """Multi-latent attention's query/key and value widths differ from head_dim; the residual
+    stream is fp32 under --fp32-residual-connection while the sub-layers' outputs stay bf16."""
+    base = dict(seq_length=32, micro_batch=2, num_experts=4, topk=2, heads=4, query_groups=4, head_dim=16)
+    mla = catalog.ModelShape(**base, qk_head_dim=16 + 8, v_head_dim=12, hidden=64, model_itemsize=2)
+    assert catalog.BY_NAME["attn.q"].local_shape(mla)[0] == (32, 2, 4, 24)
+    assert catalog.BY_NAME["attn.k"].local_shape(mla)[0] == (32, 2, 4, 24)
+    assert catalog.BY_NAME["attn.context"].local_shape(mla)[0] == (32, 2, 4 * 12)
+    fp32_resid = catalog.ModelShape(**base, hidden=64, model_itemsize=2, residual_itemsize=4)
+    for output in ("resid.in", "resid.out", "grad.resid_in"):
+        assert catalog.record_bytes(output, fp32_resid) == 32 * 2 * 64 * 4, output
+    assert catalog.record_bytes("mlp.out", fp32_resid) == 32 * 2 * 64 * 2
+
+
 def test_markdown_table_lists_every_output():
     table = catalog.markdown_table()
     for o in catalog.OUTPUTS:

@@ -29,6 +29,11 @@ CASES = {
         "--dmi-ring-mb",
         "one record of 16384 bytes",
     ),
+    "ring smaller than an fp32 residual record of a bf16 model": (  # 32 x 2 x 64 fp32, not bf16
+        ["--dmi-hooks", "resid", "--dmi-ring-mb", "0.01", "--bf16", "--fp32-residual-connection"],
+        "--dmi-ring-mb",
+        "one record of 16384 bytes",
+    ),
     "full-iteration CUDA graph": (
         ["--dmi-hooks", "router", "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
         + ["--no-check-for-nan-in-loss-and-grad"],
