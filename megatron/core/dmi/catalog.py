@@ -235,6 +235,22 @@ OUTPUTS: tuple[HookOutput, ...] = (
         local_shape=_hidden_per_token,
     ),
     HookOutput(
+        "mlp.experts",
+        "mlp",
+        "[rows, h + 3]",
+        "fp32",
+        "Every row the routed experts computed (named explicitly only: up to tokens x k rows per microbatch), "
+        "in the dispatcher's order (by expert, tokens ascending), the token range of the record counting rows. "
+        "Columns 0..h-1: the expert's output, upcast exactly, with the routing probability already applied "
+        "(a token's rows sum to mlp.out minus mlp.shared, see Conventions); then the expert id, the token index (the row of "
+        "router.logits) and the top-k slot (router.topk_ids[token, slot] is the expert). Allgather dispatcher, "
+        "one tensor/expert-parallel rank and no capacity factor only.",
+        opt_in=True,
+        in_all=False,
+        scope="moe_layer",
+        local_shape=lambda m: ((m.router_tokens * m.topk, m.hidden + 3), 4),
+    ),
+    HookOutput(
         "loss.token",
         "loss",
         "[s, b, 2]",
@@ -410,6 +426,48 @@ def check_graph_support(hooks: frozenset[str]) -> None:
             "recorded by tensor hooks in the backward pass, which a graph replay does not run; capture them in "
             "a run without CUDA graphs"
         )
+
+
+def experts_unsupported(
+    dispatcher_type: str,
+    tensor_parallel: int,
+    expert_parallel: int,
+    expert_tensor_parallel: int | None,
+    capacity_factor: float | None,
+    latent_size: int | None,
+) -> tuple[str, str] | None:
+    """Why ``mlp.experts`` cannot be captured exactly in a configuration, or None when it can.
+
+    Args:
+        dispatcher_type: ``--moe-token-dispatcher-type``.
+        tensor_parallel: ``--tensor-model-parallel-size``.
+        expert_parallel: ``--expert-model-parallel-size``.
+        expert_tensor_parallel: ``--expert-tensor-parallel-size`` (None: not set).
+        capacity_factor: ``--moe-expert-capacity-factor`` (None: no token dropping).
+        latent_size: ``--moe-latent-size`` (None: experts work in the hidden size).
+
+    Returns:
+        (the flag to change, the reason) or None.
+    """
+    if dispatcher_type != "allgather":
+        return "--moe-token-dispatcher-type", "mlp.experts needs the allgather token dispatcher"
+    if tensor_parallel > 1 or expert_parallel > 1 or (expert_tensor_parallel or 1) > 1:
+        flag = (
+            "--tensor-model-parallel-size"
+            if tensor_parallel > 1
+            else "--expert-model-parallel-size"
+            if expert_parallel > 1
+            else "--expert-tensor-parallel-size"
+        )
+        return flag, "mlp.experts is verified with one tensor-, expert- and expert-tensor-parallel rank only"
+    if capacity_factor is not None:
+        return (
+            "--moe-expert-capacity-factor",
+            "mlp.experts does not support token dropping (a dropped route's slot needs the pre-drop order)",
+        )
+    if latent_size is not None:
+        return "--moe-latent-size", "mlp.experts does not support latent experts (their rows are not hidden vectors)"
+    return None
 
 
 def outputs_of_group(group: str, selected: frozenset[str]) -> list[str]:

@@ -25,6 +25,7 @@ from megatron.core.dmi.catalog import (
     ModelShape,
     UnsupportedUnderGraphsError,
     check_graph_support,
+    experts_unsupported,
     record_bytes,
 )
 from megatron.core.dmi.config import CaptureWindowError, DMIConfig
@@ -179,6 +180,17 @@ def check_dmi_layout(args: argparse.Namespace) -> None:
         _fail("--dmi-hooks", "context parallelism (--context-parallel-size > 1) is not supported by DMI yet")
     if any(BY_NAME[o].group == "logits" for o in args.dmi_hooks) and getattr(args, "mtp_num_layers", None):
         _fail("--dmi-hooks", "logits outputs are not supported with multi-token prediction (--mtp-num-layers)")
+    if "mlp.experts" in args.dmi_hooks:
+        why = experts_unsupported(
+            args.moe_token_dispatcher_type,
+            args.tensor_model_parallel_size,
+            args.expert_model_parallel_size,
+            args.expert_tensor_parallel_size,
+            args.moe_expert_capacity_factor,
+            getattr(args, "moe_latent_size", None),
+        )
+        if why is not None:
+            _fail(why[0], why[1])
     if "mlp.shared" in args.dmi_hooks and getattr(args, "moe_shared_expert_overlap", False):
         _fail(
             "--dmi-hooks",

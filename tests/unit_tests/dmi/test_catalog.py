@@ -15,12 +15,16 @@ def test_groups_expand_to_their_default_outputs():
 
 def test_opt_in_outputs_by_name_and_all():
     assert catalog.parse_hooks("attn,attn.q,attn.k") == {"attn.context", "attn.q", "attn.k"}
-    # logits.full is named only (vocabulary-sized); grad is selected by its group or names (backward hooks)
+    # logits.full and mlp.experts are named only (vocabulary- and top-k-sized); grad is selected by its
+    # group or names (backward hooks)
+    named_only = {"logits.full", "mlp.experts"}
     grads = {"grad.router_logits", "grad.attn_context", "grad.resid_in"}
-    assert catalog.parse_hooks("all") == set(catalog.BY_NAME) - {"logits.full"} - grads
+    assert catalog.parse_hooks("all") == set(catalog.BY_NAME) - named_only - grads
     assert catalog.parse_hooks("grad") == grads
-    assert catalog.parse_hooks("all,grad") == set(catalog.BY_NAME) - {"logits.full"}
+    assert catalog.parse_hooks("all,grad") == set(catalog.BY_NAME) - named_only
     assert "logits.full" in catalog.parse_hooks("all,logits.full")
+    assert "mlp.experts" not in catalog.parse_hooks("mlp")
+    assert catalog.parse_hooks("mlp.experts") == {"mlp.experts"}
     assert catalog.parse_hooks("none") == frozenset()
 
 
@@ -168,7 +172,24 @@ def test_logits_and_loss_shapes():
     assert catalog.BY_NAME["logits.topk"].local_shape(m)[0] == (32, 2, 5, 2)  # the full sequence under SP
     assert catalog.BY_NAME["logits.target"].local_shape(m)[0] == (32, 2, 3)
     assert catalog.BY_NAME["logits.full"].local_shape(m)[0] == (32, 2, 128)  # vocabulary shard
+    assert catalog.BY_NAME["mlp.experts"].local_shape(m) == ((16 * 2 * 2, 64 + 3), 4)  # every local route, fp32
     assert catalog.BY_NAME["loss.token"].local_shape(m)[0] == (32, 2, 2)
     assert catalog.producers_per_replica("loss.token", 2, True) == 1
     assert catalog.producers_per_replica("logits.topk", 2, True) == 2
     assert catalog.parse_hooks("logits") == {"logits.topk", "logits.target"}
+
+
+@pytest.mark.parametrize(
+    "config,flag",
+    [
+        (("alltoall", 1, 1, None, None, None), "--moe-token-dispatcher-type"),
+        (("allgather", 2, 1, None, None, None), "--tensor-model-parallel-size"),
+        (("allgather", 1, 2, None, None, None), "--expert-model-parallel-size"),
+        (("allgather", 1, 1, 2, None, None), "--expert-tensor-parallel-size"),
+        (("allgather", 1, 1, 1, 1.0, None), "--moe-expert-capacity-factor"),
+        (("allgather", 1, 1, 1, None, 16), "--moe-latent-size"),
+    ],
+)
+def test_expert_rows_refusals_name_the_flag(config, flag):
+    assert catalog.experts_unsupported(*config)[0] == flag
+    assert catalog.experts_unsupported("allgather", 1, 1, None, None, None) is None

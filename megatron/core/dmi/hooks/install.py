@@ -5,7 +5,8 @@ outputs the post-drop selection). Attention: a forward hook on ``self_attention.
 sees post-RoPE query/key (inputs) and the context (output). Residual stream: a forward pre-hook on
 each layer's ``input_layernorm`` (IdentityOp when the norm is fused into the QKV projection) sees
 the layer input, one on the block's ``final_layernorm`` the last layer's output, and a pre-hook on
-the block publishes its routers' weights once per iteration. MLP: a forward hook on ``mlp``. Loss:
+the block publishes its routers' weights once per iteration. MLP: a forward hook on ``mlp`` and, for
+``mlp.experts``, one on the MoE layer's ``experts`` (rows placed by the dispatcher's map). Loss:
 a forward hook on the language model (GPTModel) given labels. Gradients: tensor hooks set in the
 forward on the layer input, the core-attention output and the routing input fire in backward. The
 sub-module sites sit inside the layer, so they fire inside a layer's CUDA graph and inside
@@ -24,12 +25,15 @@ from dataclasses import dataclass
 import torch
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.core import parallel_state as ps
 from megatron.core.dmi import catalog
 from megatron.core.dmi.capture import Capture, Placement
+from megatron.core.dmi.errors import DMIError
+from megatron.core.dmi.hooks import experts as expert_capture
 from megatron.core.dmi.hooks import router as router_capture
 from megatron.core.dmi.records import ParallelCoords
 
@@ -232,7 +236,44 @@ def _mlp_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) 
     shared_experts = getattr(module.mlp, "shared_experts", None)
     if shared_experts is not None:
         hooks._handles.append(shared_experts.register_forward_hook(shared_hook))
+    experts = getattr(module.mlp, "experts", None)
+    if "mlp.experts" in hooks.capture.config.hooks and experts is not None:
+        _watch_experts(hooks, module, experts, coords, shards)
     hooks.layers.setdefault(layer, []).append("mlp")
+
+
+def _watch_experts(
+    hooks: HookSet, module: TransformerLayer, experts: torch.nn.Module, coords: ParallelCoords, shards: TokenShards
+) -> None:
+    """mlp.experts from the experts module's output; a firing with no rows still publishes its
+    empty record, so the record counts do not depend on the routing."""
+    config = module.config
+    dispatcher = module.mlp.token_dispatcher
+    why = catalog.experts_unsupported(
+        "allgather" if isinstance(dispatcher, MoEAllGatherTokenDispatcher) else config.moe_token_dispatcher_type,
+        tp_size(),
+        config.expert_model_parallel_size,
+        config.expert_tensor_parallel_size,
+        config.moe_expert_capacity_factor,
+        getattr(config, "moe_latent_size", None),
+    )
+    if why is not None:
+        raise DMIError(f"{why[1]} ({why[0]})")
+    layer = module.layer_number - 1
+    capture = hooks.capture
+    first_expert = dispatcher.local_expert_indices[0]
+
+    def hook(experts, args, output):
+        if capture.idle or not capture.wants("mlp.experts", layer):
+            return
+        rows = output[0] if isinstance(output, tuple) else output
+        with torch.no_grad():
+            record = expert_capture.expert_rows(
+                rows, dispatcher.local_map, args[2], first_expert, config.moe_router_topk
+            )
+        _publish_sequence(hooks, layer, coords, shards, {"mlp.experts": record})
+
+    hooks._handles.append(experts.register_forward_hook(hook))
 
 
 def _watch_gradient(

@@ -1,0 +1,111 @@
+"""mlp.experts on a real megatron-core MoE GPT: bitwise against a plain forward hook on the experts
+module, token indices and slots against the router's own routing map and top-k order, and the rows
+summed per token against mlp.out."""
+
+import pytest
+import torch
+
+from megatron.core.dmi.errors import DMIError
+from megatron.core.dmi.hooks import HookSet
+from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, EXPERTS, SEQ, TOPK, bits, capture_for, tiny_gpt, tokens
+
+HIDDEN = 32
+
+
+def experts_oracle(model):
+    """layer -> the experts' input and output rows and the router's (probs, routing map), seen by plain
+    hooks in the same forward."""
+    seen = {}
+    for layer, block in enumerate(model.decoder.layers):
+
+        def rows(module, args, output, layer=layer):
+            seen.setdefault(layer, {}).update(inputs=args[0].detach().clone(), rows=output[0].detach().clone())
+
+        def routing(module, args, output, layer=layer):
+            probs, routing_map = output
+            seen.setdefault(layer, {}).update(probs=probs.detach().clone(), map=routing_map.clone())
+
+        block.mlp.experts.register_forward_hook(rows)
+        block.mlp.router.register_forward_hook(routing)
+    return seen
+
+
+def capture_experts(model, hooks="mlp.experts,mlp.out,router"):
+    capture = capture_for(hooks)
+    HookSet(capture).attach(model)
+    seen = experts_oracle(model)
+    capture.begin_step("train", 1)
+    model(*tokens(), attention_mask=None)
+    return {(r.key.layer, r.key.output): r for r in capture.transport.take(100, 0)}, seen
+
+
+def test_rows_match_a_plain_hook_and_name_their_token_and_slot(megatron_cpu):
+    records, seen = capture_experts(tiny_gpt())
+    for layer in (0, 1):
+        record = records[(layer, "mlp.experts")].tensor()
+        rows, routing_map, probs = seen[layer]["rows"], seen[layer]["map"], seen[layer]["probs"]
+        assert record.shape == (SEQ * BATCH * TOPK, HIDDEN + 3)
+        assert torch.equal(bits(record[:, :HIDDEN]), bits(rows))
+        expert, token, slot = record[:, HIDDEN:].long().unbind(1)
+        # one row per (token, chosen expert), by expert then token, as the router chose them
+        chosen = torch.zeros_like(routing_map)
+        chosen[token, expert] = True
+        assert torch.equal(chosen, routing_map)
+        assert torch.equal(expert * SEQ * BATCH + token, (expert * SEQ * BATCH + token).sort().values)
+        ids = records[(layer, "router.topk_ids")].tensor().long()
+        assert torch.equal(ids[token, slot], expert)
+        weights = records[(layer, "router.topk_probs")].tensor()
+        assert torch.equal(weights[token, slot], probs[token, expert])
+
+
+def test_rows_rebuild_mlp_out(megatron_cpu):
+    """A token's rows sum to mlp.out: adding them in row order, as the dispatcher's unpermute does,
+    gives the same bits. The rows are already weighted: each is its expert's output for the token
+    scaled by the routing probability (the experts apply it in their activation, so that check is
+    allclose: the unweighted output rounds differently)."""
+    model = tiny_gpt()
+    records, seen = capture_experts(model)
+    for layer in (0, 1):
+        record = records[(layer, "mlp.experts")].tensor()
+        expert, token, slot = record[:, HIDDEN:].long().unbind(1)
+        rebuilt = torch.zeros(SEQ * BATCH, HIDDEN).index_add_(0, token, record[:, :HIDDEN])
+        mlp_out = records[(layer, "mlp.out")].tensor().reshape(-1, HIDDEN)
+        assert torch.equal(bits(rebuilt), bits(mlp_out))
+        weights = records[(layer, "router.topk_probs")].tensor()[token, slot]
+        local_experts = model.decoder.layers[layer].mlp.experts.local_experts
+        with torch.no_grad():
+            unweighted = torch.cat(
+                [
+                    local_experts[e](seen[layer]["inputs"][expert == e], torch.ones(int((expert == e).sum())))[0]
+                    for e in range(EXPERTS)
+                ]
+            )
+        torch.testing.assert_close(record[:, :HIDDEN], weights.unsqueeze(1) * unweighted)
+        assert not torch.allclose(record[:, :HIDDEN], unweighted)
+
+
+def test_one_record_per_moe_layer_and_microbatch_even_without_rows(megatron_cpu):
+    """Records do not depend on the routing: experts that get no rows still publish a [0, h + 3] record."""
+    model = tiny_gpt()
+    capture = capture_for("mlp.experts")
+    HookSet(capture).attach(model)
+    capture.begin_step("train", 1)
+    for mb in range(3):
+        capture.set_microbatch(mb)
+        model(*tokens(mb), attention_mask=None)
+    got = sorted((r.key.microbatch, r.key.layer) for r in capture.transport.take(100, 0))
+    assert got == [(mb, layer) for mb in range(3) for layer in (0, 1)]
+    capture.set_microbatch(3)
+    moe = model.decoder.layers[0].mlp
+    moe.token_dispatcher.local_map = torch.zeros(SEQ * BATCH, EXPERTS, dtype=torch.bool)  # no token routed
+    with torch.no_grad():
+        moe.experts(torch.zeros(0, HIDDEN), torch.zeros(EXPERTS, dtype=torch.long), torch.zeros(0))
+    (empty,) = capture.transport.take(100, 0)
+    assert (empty.key.microbatch, empty.key.layer, empty.key.shape) == (3, 0, (0, HIDDEN + 3))
+    assert (empty.key.token_start, empty.key.token_end, empty.key.token_total) == (0, 0, 0)
+
+
+def test_unsupported_dispatcher_is_refused_at_attach(megatron_cpu):
+    model = tiny_gpt(capacity_factor=1.0)
+    with pytest.raises(DMIError, match="--moe-expert-capacity-factor"):
+        HookSet(capture_for("mlp.experts")).attach(model)
