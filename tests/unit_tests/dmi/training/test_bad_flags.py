@@ -34,6 +34,21 @@ CASES = {
         "--dmi-ring-mb",
         "one record of 16384 bytes",
     ),
+    "ring smaller than an expert-rows record": (
+        ["--dmi-hooks", "mlp.experts", "--dmi-ring-mb", "0.02"],
+        "--dmi-ring-mb",
+        "one record of 34304 bytes",
+    ),
+    "expert rows with the alltoall dispatcher": (
+        ["--dmi-hooks", "mlp.experts", "--moe-token-dispatcher-type", "alltoall"],
+        "--moe-token-dispatcher-type",
+        "mlp.experts needs the allgather token dispatcher",
+    ),
+    "expert rows with a capacity factor": (
+        ["--dmi-hooks", "mlp.experts", "--moe-expert-capacity-factor", "1.0"],
+        "--moe-expert-capacity-factor",
+        "does not support token dropping",
+    ),
     "full-iteration CUDA graph": (
         ["--dmi-hooks", "router", "--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]
         + ["--no-check-for-nan-in-loss-and-grad"],
