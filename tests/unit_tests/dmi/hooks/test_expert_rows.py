@@ -8,6 +8,7 @@ import torch
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.hooks import HookSet
 from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, EXPERTS, SEQ, TOPK, bits, capture_for, tiny_gpt, tokens
+from tests.unit_tests.dmi.test_capture_replay import RECOMPUTE, train_step
 
 HIDDEN = 32
 
@@ -109,3 +110,25 @@ def test_unsupported_dispatcher_is_refused_at_attach(megatron_cpu):
     model = tiny_gpt(capacity_factor=1.0)
     with pytest.raises(DMIError, match="--moe-expert-capacity-factor"):
         HookSet(capture_for("mlp.experts")).attach(model)
+
+
+@pytest.mark.parametrize("record_replays", [False, True])
+def test_full_recompute_records_each_once_or_keeps_the_replay(megatron_cpu, record_replays):
+    """Full recompute re-runs the MoE layer in backward: its rows are rejected, or kept bitwise
+    equal to the original as invocation 1."""
+    model = tiny_gpt(recompute=RECOMPUTE["full"])
+    capture = capture_for("mlp.experts", record_replays=record_replays)
+    HookSet(capture).attach(model)
+    model.capture = capture
+    capture.begin_step("train", 1)
+    train_step(model)
+    records = capture.transport.take(1000, 0)
+    keys = sorted((r.key.invocation, r.key.microbatch, r.key.layer) for r in records)
+    originals = [(0, mb, layer) for mb in (0, 1) for layer in (0, 1)]
+    if not record_replays:
+        assert keys == originals and capture.stats.replays_rejected == 4
+        return
+    assert keys == originals + [(1, mb, layer) for mb, layer in ((0, 0), (0, 1), (1, 0), (1, 1))]
+    by_key = {(r.key.invocation, r.key.microbatch, r.key.layer): r for r in records}
+    for _, mb, layer in originals:
+        assert by_key[(1, mb, layer)].payload == by_key[(0, mb, layer)].payload

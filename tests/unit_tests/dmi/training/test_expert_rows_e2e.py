@@ -9,23 +9,26 @@ import pytest
 import torch
 
 from tests.functional_tests.launch import dump_store, run_pretrain, tiny_moe_args
+from tests.functional_tests.layouts import expected_record_counts
 
 LAYERS, MICROBATCHES, ITERS, TOKENS, TOPK, HIDDEN = 2, 2, 4, 64, 2, 64
+HOOKS = ["--dmi-hooks", "mlp.experts,mlp.out,router"]
 
 
 @pytest.fixture(scope="module")
 def dump(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("experts"))
     store = os.path.join(tmp, "store")
-    hooks = ["--dmi-hooks", "mlp.experts,mlp.out,router", "--dmi-persist", "clickhouse", "--dmi-store-dir", store]
-    run_pretrain(tiny_moe_args() + hooks, tmp, oracle=False)
+    run_pretrain(tiny_moe_args() + HOOKS + ["--dmi-persist", "clickhouse", "--dmi-store-dir", store], tmp, oracle=False)
     return dump_store(store, tmp)
 
 
-def test_one_record_per_moe_layer_microbatch_and_iteration(dump):
+def test_record_counts_are_the_catalog_counts(dump):
+    """One mlp.experts record per MoE layer, microbatch and iteration, whatever the routing."""
     counts = {}
     for r in dump["rows"]:
         counts[r["output"]] = counts.get(r["output"], 0) + 1
+    assert counts == expected_record_counts(tiny_moe_args() + HOOKS, world_size=1)
     assert counts["mlp.experts"] == LAYERS * MICROBATCHES * ITERS
     assert not dump["errors"]
 
