@@ -7,6 +7,7 @@ import torch
 
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.hooks import HookSet
+from megatron.core.dmi.reader.reconstruct import reconstruct
 from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, EXPERTS, SEQ, TOPK, bits, capture_for, tiny_gpt, tokens
 from tests.unit_tests.dmi.test_capture_replay import RECOMPUTE, train_step
 
@@ -104,9 +105,10 @@ def test_one_record_per_moe_layer_and_microbatch_even_without_rows(megatron_cpu)
     (empty,) = capture.transport.take(100, 0)
     assert (empty.key.microbatch, empty.key.layer, empty.key.shape) == (3, 0, (0, HIDDEN + 3))
     assert (empty.key.token_start, empty.key.token_end, empty.key.token_total) == (0, 0, 0)
+    assert reconstruct([empty]).shape == (0, HIDDEN + 3)  # the reader takes it as an empty tensor
 
 
-def test_unsupported_dispatcher_is_refused_at_attach(megatron_cpu):
+def test_unsupported_configuration_is_refused_at_attach(megatron_cpu):
     model = tiny_gpt(capacity_factor=1.0)
     with pytest.raises(DMIError, match="--moe-expert-capacity-factor"):
         HookSet(capture_for("mlp.experts")).attach(model)
