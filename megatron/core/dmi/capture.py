@@ -115,9 +115,6 @@ class Capture:
             return False
         return self.step.active or capturing_graph()
 
-    def publish(self, output: str, layer: int, coords: ParallelCoords, tensor: torch.Tensor, where: Placement) -> bool:
-        return self.publish_all(layer, coords, where, {output: tensor}) == 1
-
     def publish_all(
         self, layer: int, coords: ParallelCoords, where: Placement, tensors: dict[str, torch.Tensor]
     ) -> int:

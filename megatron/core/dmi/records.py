@@ -284,11 +284,3 @@ def table_nbytes(table: pa.Table) -> int:
     if "nbytes" not in table.schema.names or table.num_rows == 0:
         return 0
     return int(sum(int(c.to_numpy().sum()) for c in table.column("nbytes").chunks))
-
-
-def table_to_records(table: pa.Table) -> list[Record]:
-    out = []
-    for row in table.to_pylist():
-        payload = row.pop("payload")
-        out.append(Record(RecordKey.from_flat(row), bytes(payload)))
-    return out

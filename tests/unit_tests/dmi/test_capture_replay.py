@@ -65,7 +65,7 @@ def test_module_level_checkpoints(megatron_cpu, kind, record_replays):
     module = Scaled()
 
     def hook(m, args, out):
-        capture.publish("attn.context", 0, ParallelCoords(), out.detach(), Placement(0, 4, 4))
+        capture.publish_all(0, ParallelCoords(), Placement(0, 4, 4), {"attn.context": out.detach()})
 
     module.register_forward_hook(hook)
     x = torch.randn(4, 3, requires_grad=True)

@@ -8,9 +8,9 @@ from megatron.core.dmi.records import (
     RecordKey,
     dtype_name,
     records_to_table,
-    table_to_records,
     tensor_to_payload,
 )
+from tests.unit_tests.dmi.tables import table_to_records
 
 
 def key_for(t: torch.Tensor, **over) -> RecordKey:

@@ -37,7 +37,6 @@ _EXPORTS = {
         "ServerBackend",
         "ServerURLError",
         "StoreBusyError",
-        "open_backend",
         "parse_server_url",
         "resolve_password",
     ],

@@ -392,10 +392,3 @@ class ServerBackend(Backend):
             except Exception:
                 pass
             self._client = None
-
-
-def open_backend(target: str, database: str = S.DEFAULT_DATABASE, password: str | None = None) -> Backend:
-    """A URL opens a server backend, anything else an embedded chDB store path."""
-    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", target):
-        return ServerBackend(target, database, password)
-    return ChdbBackend(target, database)
