@@ -25,7 +25,8 @@ _EXT_DIR = os.environ.setdefault("TORCH_EXTENSIONS_DIR", tempfile.mkdtemp(prefix
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
 
 from megatron.core.dmi.config import DMIConfig  # noqa: E402
-from megatron.core.dmi.records import Firing, ParallelCoords, RecordKey, dtype_name  # noqa: E402
+from megatron.core.dmi.key import Firing, ParallelCoords, RecordKey  # noqa: E402
+from megatron.core.dmi.records import dtype_name  # noqa: E402
 from megatron.core.dmi.transport import jit, ops  # noqa: E402
 from megatron.core.dmi.transport.abi import SLOT_ALIGN  # noqa: E402
 from megatron.core.dmi.transport.native import NativeRingTransport  # noqa: E402

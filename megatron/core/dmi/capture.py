@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import SITE_FIRING, Firing, ParallelCoords, RecordKey, dtype_name
+from megatron.core.dmi.key import SITE_FIRING, Firing, ParallelCoords, RecordKey
+from megatron.core.dmi.records import dtype_name
 from megatron.core.dmi.transport.base import Transport, capturing_graph
 
 # Device gate bits (native transport): a producer captured into a CUDA graph publishes on replay

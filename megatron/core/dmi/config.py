@@ -22,7 +22,7 @@ import torch
 
 from megatron.core.dmi.catalog import parse_hooks
 from megatron.core.dmi.errors import DMIError
-from megatron.core.dmi.records import PHASES
+from megatron.core.dmi.key import PHASES
 from megatron.core.dmi.sinks.backend import PASSWORD_ENV, ServerURLError, parse_server_url, redact
 from megatron.core.dmi.sinks.schema import check_database
 from megatron.core.dmi.transport.abi import SLOT_ALIGN

@@ -337,7 +337,8 @@ def _subprocess(code: str, *args: str, timeout: float = 180) -> tuple[int, dict 
 _ROUNDTRIP = r"""
 import json, os, sys
 import torch
-from megatron.core.dmi.records import ParallelCoords, Record, RecordKey, dtype_name, tensor_to_payload
+from megatron.core.dmi.key import ParallelCoords, RecordKey
+from megatron.core.dmi.records import Record, dtype_name, tensor_to_payload
 from megatron.core.dmi.sinks import EmbeddedSink, RunInfo
 from megatron.core.dmi.reader import open_store
 store_dir = sys.argv[1]

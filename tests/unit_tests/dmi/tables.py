@@ -2,7 +2,8 @@
 
 import pyarrow as pa
 
-from megatron.core.dmi.records import Record, RecordKey
+from megatron.core.dmi.key import RecordKey
+from megatron.core.dmi.records import Record
 
 
 def table_to_records(table: pa.Table) -> list[Record]:

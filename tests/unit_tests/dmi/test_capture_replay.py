@@ -58,7 +58,7 @@ class Scaled(torch.nn.Module):
 @pytest.mark.parametrize("kind", ["CheckpointFunction", "CheckpointWithoutOutput"])
 def test_module_level_checkpoints(megatron_cpu, kind, record_replays):
     from megatron.core.dmi.capture import Placement
-    from megatron.core.dmi.records import ParallelCoords
+    from megatron.core.dmi.key import ParallelCoords
 
     capture = capture_for("attn.context", record_replays=record_replays)
     capture.begin_step("train", 1)

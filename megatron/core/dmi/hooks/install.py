@@ -31,7 +31,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.dmi import catalog
 from megatron.core.dmi.capture import Capture, Placement
 from megatron.core.dmi.hooks import router as router_capture
-from megatron.core.dmi.records import ParallelCoords
+from megatron.core.dmi.key import ParallelCoords
 
 
 def rank_coords(vpp: int = 0) -> ParallelCoords:

@@ -13,8 +13,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.provenance import package_versions, scrub_command_line
-from megatron.core.dmi.records import ParallelCoords, RecordKey
 from megatron.core.dmi.sinks import schema as S
 from megatron.core.dmi.sinks.base import SinkReport
 

@@ -18,7 +18,8 @@ import pyarrow as pa
 import torch
 
 from megatron.core.dmi.errors import DMIError
-from megatron.core.dmi.records import Firing, Record, RecordKey, records_to_table
+from megatron.core.dmi.key import Firing, RecordKey
+from megatron.core.dmi.records import Record, records_to_table
 
 OnFull = Literal["block", "drop"]
 

@@ -32,15 +32,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from megatron.core.dmi.records import (
-    DESCRIPTOR_COLUMNS,
-    PHASES,
-    Firing,
-    Record,
-    RecordKey,
-    descriptor_table,
-    dtype_name,
-)
+from megatron.core.dmi.key import PHASES, Firing, RecordKey
+from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, Record, descriptor_table, dtype_name
 from megatron.core.dmi.transport import jit
 from megatron.core.dmi.transport.abi import FIRING_WORDS, MAX_GROUP, SLOT_ALIGN
 from megatron.core.dmi.transport.base import OnFull, Transport, TransportStats, capturing_graph

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.dmi.records import Record, RecordKey
+from megatron.core.dmi.key import RecordKey
+from megatron.core.dmi.records import Record
 from megatron.core.dmi.transport.abi import SLOT_ALIGN
 from megatron.core.dmi.transport.base import OnFull, Transport
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megatron.core.dmi.records import ParallelCoords
+from megatron.core.dmi.key import ParallelCoords
 from megatron.core.dmi.sinks import SpoolSink
 from megatron.core.dmi.sinks.spool import list_segments
 from tests.fault_tests.tmpfs import fill, small_tmpfs

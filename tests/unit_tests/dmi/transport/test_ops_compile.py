@@ -3,7 +3,8 @@
 import torch
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import ParallelCoords, RecordKey, dtype_name
+from megatron.core.dmi.key import ParallelCoords, RecordKey
+from megatron.core.dmi.records import dtype_name
 from megatron.core.dmi.transport import ops
 from megatron.core.dmi.transport.native import NativeRingTransport
 from tests.unit_tests.dmi.transport.ring import drain_all

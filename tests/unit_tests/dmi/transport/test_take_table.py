@@ -160,7 +160,7 @@ def test_drain_lingers_but_flush_is_prompt(tmp_path):
     import time
 
     from megatron.core.dmi.drain import Drain
-    from megatron.core.dmi.records import ParallelCoords
+    from megatron.core.dmi.key import ParallelCoords
     from megatron.core.dmi.sinks import SpoolSink
 
     r = NativeRingTransport(4 << 20, "block", CPU, block_timeout=DMIConfig.block_timeout)
