@@ -31,7 +31,7 @@ def add_subcommand(name: str, setup: SetupFn, help: str) -> None:
 
 
 def database_arg(value: str) -> str:
-    """argparse type of every database flag (here and --dmi-clickhouse-database)."""
+    """The argparse type of every database flag (here and --dmi-clickhouse-database)."""
     from megatron.core.dmi.sinks.schema import IdentifierError, check_database
 
     try:

@@ -69,7 +69,7 @@ def flags_markdown() -> str:
 
 
 def generated_sections() -> dict[str, dict[str, str]]:
-    """doc file -> {section name: generated text}."""
+    """Each doc file's generated sections: file -> {section name: generated text}."""
     from megatron.core.dmi import catalog
 
     return {"hooks.md": {"hook catalog": catalog.markdown_table()}, "usage.md": {"dmi flags": flags_markdown()}}

@@ -490,7 +490,7 @@ class Store:
         return reconstruct(recs, output, what=what, expected_ranks=self._expected_ranks(run_id, recs))
 
     def _expected_ranks(self, run_id: str, recs: list[Record]) -> dict[int, list[int]] | None:
-        """shard index -> ranks holding this layer with that TP coordinate (for error messages)."""
+        """Shard index -> ranks holding this layer with that TP coordinate (for error messages)."""
         k = recs[0].key
         try:
             topo = self.topology(run_id, k.attempt)

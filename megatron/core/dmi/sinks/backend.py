@@ -129,7 +129,7 @@ def _param_elem(v: Any) -> str:
 
 
 def chdb_params(params: dict[str, Any] | None) -> dict[str, str] | None:
-    """chDB passes parameter values as text in ClickHouse's escaped format: encode them exactly."""
+    """Parameter values as chDB takes them: text in ClickHouse's escaped format, encoded exactly."""
     if not params:
         return None
     out = {}

@@ -208,7 +208,7 @@ class SpoolWriter:
             return sum(self._tensor_rows.values())
 
     def sync(self) -> None:
-        """fsync every segment written with ``durable=False`` since the last call, then the folder
+        """Flush (fsync) every segment written with ``durable=False`` since the last call, then the folder
         (a segment already ingested and deleted needs nothing)."""
         with self._lock:
             paths, self._unsynced = self._unsynced, []
