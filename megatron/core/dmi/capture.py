@@ -61,6 +61,8 @@ class Placement:
 
 @dataclass
 class StepContext:
+    """The schedule's position: phase, iteration and microbatch, and whether this step is captured."""
+
     phase: str = "train"
     iteration: int = 0
     microbatch: int = 0
@@ -69,12 +71,16 @@ class StepContext:
 
 @dataclass
 class CaptureStats:
+    """Recompute replays rejected or recorded, and the keys of the records the transport dropped."""
+
     replays_rejected: int = 0
     replays_recorded: int = 0
     dropped_keys: list[RecordKey] = field(default_factory=list)
 
 
 class Capture:
+    """Turns hook firings into records: applies the step context and the replay rule, then publishes."""
+
     def __init__(self, config: DMIConfig, transport: Transport, run_id: str, attempt: int, graphs: bool = False):
         """``graphs``: the model's forwards may be captured into CUDA graphs, whose producers are
         recorded whatever the step (they are gated on the device at every replay)."""

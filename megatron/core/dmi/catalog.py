@@ -58,6 +58,8 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class HookOutput:
+    """One capturable output: its group, shape and dtype rules, how its shards combine, where it is recorded."""
+
     name: str
     group: str
     shape: str  # human-readable local shape
@@ -356,7 +358,7 @@ def layers_in_scope(
 
 
 class HookSelectionError(DMIError, ValueError):
-    pass
+    """A hook list names an unknown output or group, or has an empty item."""
 
 
 def parse_hooks(spec: str | Iterable[str]) -> frozenset[str]:

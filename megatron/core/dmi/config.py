@@ -148,7 +148,7 @@ def parse_phases(spec: str | Iterable[str]) -> frozenset[str]:
 
 
 class LayerRangeError(ConfigValueError):
-    pass
+    """A layer selection (e.g. ``0,4-7``) is malformed, empty or out of range."""
 
 
 MAX_LAYER = 1 << 16
@@ -214,7 +214,7 @@ def check_server_url(url: str) -> str:
 
 
 class RunIdError(ConfigValueError):
-    pass
+    """A run id that cannot name a folder under the store."""
 
 
 # A run id names a folder under the store (attempts/<run id>): one path component that can never be

@@ -41,6 +41,8 @@ STATUSES = ("ok", "warn", "fail")
 
 @dataclass
 class Check:
+    """One doctor finding: what was checked, ok/warn/fail, what was seen and how to fix it."""
+
     name: str
     status: str  # ok | warn | fail
     detail: str

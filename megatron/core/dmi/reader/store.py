@@ -47,6 +47,8 @@ _VISIBLE = (
 
 @dataclass
 class RunDescription:
+    """What a store holds of one run: its attempts, outputs, layers and visible iterations."""
+
     run_id: str
     attempts: pd.DataFrame  # attempt, resumed_from_iteration, started_at, world_size, versions_json
     outputs: pd.DataFrame  # phase, output, records, bytes, layers, n_iterations, first/last iteration, ranks

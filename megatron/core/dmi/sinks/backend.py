@@ -29,7 +29,7 @@ class StoreBusyError(DMIError, RuntimeError):
 
 
 class BackendError(DMIError, RuntimeError):
-    pass
+    """A ClickHouse server could not be reached or refused a statement (the message has no secrets)."""
 
 
 def normalize_result(table: pa.Table) -> pa.Table:
@@ -54,6 +54,8 @@ def normalize_result(table: pa.Table) -> pa.Table:
 
 
 class Backend(ABC):
+    """A store's SQL connection: statements, Arrow queries and Arrow inserts, embedded or on a server."""
+
     database: str
     description: str
 
@@ -242,7 +244,7 @@ PASSWORD_FILE_ENV = "DMI_CLICKHOUSE_PASSWORD_FILE"
 
 
 class ServerURLError(DMIError, ValueError):
-    pass
+    """A ClickHouse server URL that is not ``http(s)://[user@]host:port`` or carries a password."""
 
 
 def parse_server_url(url: str) -> dict:
@@ -321,6 +323,8 @@ def redact(text: str, secret: str | None, username: str | None = None) -> str:
 
 
 class ServerBackend(Backend):
+    """A ClickHouse server reached over HTTP(S), with the password from the environment or a file."""
+
     def __init__(
         self,
         url: str,

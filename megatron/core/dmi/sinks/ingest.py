@@ -126,6 +126,8 @@ def min_free_bytes() -> int:
 
 @dataclass
 class IngestResult:
+    """What an ingest pass did with each spool segment, and how many records it loaded."""
+
     segments_loaded: int = 0  # every record verified in the store (``partial`` ones included)
     segments_skipped: int = 0  # already ingested
     segments_corrupt: int = 0  # nothing in them could be loaded

@@ -26,7 +26,7 @@ OLD_RAW_MAGIC = b"DMIRAW01"
 
 
 class CorruptSegmentError(DMIError, RuntimeError):
-    pass
+    """A spool segment whose header or framing is damaged, or that is not a DMI segment."""
 
 
 @dataclass(frozen=True)

@@ -223,6 +223,8 @@ class SpoolWriter:
 
 @dataclass(frozen=True)
 class Segment:
+    """One spool segment file: its path, the rank that wrote it, its kind and sequence number."""
+
     path: str
     rank: int
     kind: str

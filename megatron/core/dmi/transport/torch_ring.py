@@ -35,6 +35,8 @@ def _align(n: int) -> int:
 
 
 class TorchRingTransport(Transport):
+    """The pure-PyTorch ring: always available, and what ``auto`` falls back to when the native ring cannot build."""
+
     name = "torch"
 
     def __init__(self, ring_bytes: int, on_full: OnFull, device: torch.device, *, block_timeout: float):
