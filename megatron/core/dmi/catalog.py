@@ -323,6 +323,7 @@ for _o in OUTPUTS:
 
 
 def record_bytes(output: str, model: ModelShape) -> int:
+    """Bytes of one record of ``output`` on one rank for ``model``."""
     shape, itemsize = BY_NAME[output].local_shape(model)
     n = itemsize
     for d in shape:
@@ -399,6 +400,7 @@ def check_graph_support(hooks: frozenset[str]) -> None:
 
 
 def outputs_of_group(group: str, selected: frozenset[str]) -> list[str]:
+    """The outputs of ``group`` that are among ``selected``, in catalog order."""
     return [o.name for o in OUTPUTS if o.group == group and o.name in selected]
 
 

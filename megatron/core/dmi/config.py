@@ -223,6 +223,7 @@ _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def check_run_id(run_id: str) -> str:
+    """``run_id`` if it can name a folder under the store, else raise ``RunIdError``."""
     if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
         raise RunIdError(
             f"run id must be 1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter "

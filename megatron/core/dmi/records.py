@@ -45,6 +45,7 @@ def __getattr__(name: str):
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The name of a torch dtype in the tables; ``TypeError`` for a dtype DMI does not capture."""
     try:
         return _names_by_dtype()[dtype]
     except KeyError:
@@ -77,6 +78,7 @@ def tensor_to_payload(t: torch.Tensor) -> bytes:
 
 
 def payload_to_tensor(payload: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    """The tensor of a payload's raw bytes (a copy: the payload stays untouched)."""
     import torch
 
     torch_dtype = _torch_dtypes()[dtype]

@@ -56,6 +56,7 @@ def rank_coords(vpp: int = 0) -> ParallelCoords:
 
 
 def tp_size() -> int:
+    """The tensor-parallel world size (1 where the group is not initialised)."""
     try:
         return ps.get_tensor_model_parallel_world_size()
     except (AssertionError, AttributeError, RuntimeError):

@@ -189,6 +189,7 @@ def render(frame: WatchFrame, interval: float | None = None):
 
 
 def cmd_watch(args) -> int:
+    """``watch``: the live view of a run, refreshed until interrupted (``--once``: one frame)."""
     from rich.console import Console
     from rich.live import Live
 

@@ -275,6 +275,7 @@ def parse_server_url(url: str) -> dict:
 
 
 def resolve_password(explicit: str | None = None, password_file: str | None = None) -> str:
+    """The server password: ``explicit``, else the environment, else a password file, else empty."""
     if explicit:
         return explicit
     if os.environ.get(PASSWORD_ENV):

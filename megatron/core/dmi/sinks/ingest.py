@@ -175,6 +175,7 @@ def _now() -> datetime:
 
 
 def known_segment_ids(backend: Backend) -> set[str]:
+    """Ids of the spool segments a store has already ingested."""
     t = backend.query_arrow(f"SELECT segment_id FROM {backend.t('segments')}")
     return set(t.column("segment_id").to_pylist())
 

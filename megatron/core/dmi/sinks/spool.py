@@ -58,6 +58,7 @@ _DICT_COLUMNS = ["run_id", "phase", "output", "dtype", "reason", "hostname", "si
 
 
 def rank_dir(spool_root: str, rank: int) -> str:
+    """The spool folder of one rank."""
     return os.path.join(spool_root, f"rank-{rank:05d}")
 
 
