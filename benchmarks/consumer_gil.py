@@ -24,7 +24,7 @@ import time
 import torch
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import ParallelCoords, RecordKey
+from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.transport.native import NativeRingTransport
 
 RECORDS, RECORD_MB = 16, 32

@@ -21,7 +21,8 @@ import time
 import torch
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import ParallelCoords, RecordKey, dtype_name
+from megatron.core.dmi.key import ParallelCoords, RecordKey
+from megatron.core.dmi.records import dtype_name
 from megatron.core.dmi.transport import ops
 from megatron.core.dmi.transport.native import NativeRingTransport
 

@@ -35,7 +35,8 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 import torch
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import ParallelCoords, Record, RecordKey, records_to_table, table_nbytes
+from megatron.core.dmi.key import ParallelCoords, RecordKey
+from megatron.core.dmi.records import Record, records_to_table, table_nbytes
 from megatron.core.dmi.sinks import SpoolSink
 from megatron.core.dmi.sinks.backend import ChdbBackend
 from megatron.core.dmi.sinks.ingest import ingest_spool, load_table, rows_missing

@@ -38,6 +38,7 @@ def _register_bare_core() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``megatron-dmi`` command line, without paying megatron.core's import."""
     _register_bare_core()
     from megatron.core.dmi.cli import main as cli_main
 

@@ -14,32 +14,10 @@ import zlib
 import torch
 
 from megatron.core.dmi.reader import ReconstructionError, StoreError, open_store
+from megatron.core.dmi.records import KEY_COLUMNS
 
-KEY_COLUMNS = (
-    "phase",
-    "iteration",
-    "attempt",
-    "microbatch",
-    "invocation",
-    "layer",
-    "output",
-    "rank",
-    "tp",
-    "pp",
-    "vpp",
-    "dp",
-    "cp",
-    "ep",
-    "etp",
-    "shard_index",
-    "shard_count",
-    "token_start",
-    "token_end",
-    "token_total",
-    "dtype",
-    "shape",
-    "checksum",
-)
+# A stored row's key less its run (the dump names the run once), and its checksum.
+ROW_COLUMNS = [name for name, _ in KEY_COLUMNS if name != "run_id"] + ["checksum"]
 
 
 def tensor_crc(t: torch.Tensor) -> int:
@@ -56,7 +34,7 @@ def dump(store_dir: str, load: str | None = None, tensors: bool = True) -> dict:
         run_id = store.resolve_run(None)
         vis = store.visible_attempts(run_id)
         rows = store.sql(
-            f"SELECT {', '.join(KEY_COLUMNS)} FROM {store.t('tensors')} FINAL WHERE run_id = {{run:String}} "
+            f"SELECT {', '.join(ROW_COLUMNS)} FROM {store.t('tensors')} FINAL WHERE run_id = {{run:String}} "
             "ORDER BY phase, iteration, attempt, microbatch, layer, output, rank",
             {"run": run_id},
         ).to_pylist()

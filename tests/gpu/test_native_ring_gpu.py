@@ -25,10 +25,12 @@ _EXT_DIR = os.environ.setdefault("TORCH_EXTENSIONS_DIR", tempfile.mkdtemp(prefix
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
 
 from megatron.core.dmi.config import DMIConfig  # noqa: E402
-from megatron.core.dmi.records import Firing, ParallelCoords, RecordKey, dtype_name  # noqa: E402
+from megatron.core.dmi.key import Firing, ParallelCoords, RecordKey  # noqa: E402
+from megatron.core.dmi.records import dtype_name  # noqa: E402
 from megatron.core.dmi.transport import jit, ops  # noqa: E402
 from megatron.core.dmi.transport.abi import SLOT_ALIGN  # noqa: E402
 from megatron.core.dmi.transport.native import NativeRingTransport  # noqa: E402
+from tests.unit_tests.dmi.transport.ring import drain_all, ring_state  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -116,7 +118,7 @@ def test_bitwise_round_trip_against_synchronous_copy(dtype):
     oracles = [t.contiguous().cpu() for t in tensors]  # independent synchronous path
     for i, t in enumerate(tensors):
         assert tr.publish(key_for(t, iteration=i), t)
-    out = tr.drain_all(30)
+    out = drain_all(tr, 30)
     assert [r.key.iteration for r in out] == list(range(len(tensors)))
     for r, o in zip(out, oracles):
         got = r.tensor()
@@ -151,11 +153,11 @@ def test_drop_mode_counts_exactly_and_wraps():
     torch.cuda.synchronize()
     s = tr.stats
     assert (s.published, s.dropped, s.dropped_bytes) == (9, 2, 512)
-    out = tr.drain_all(10)
+    out = drain_all(tr, 10)
     assert [r.key.iteration for r in out] == [0, 1, 2, 3, 4, 5, 6, 7, 50]
     for i in range(10, 12):  # space again, wrapping round the ring
         tr.publish(key_for(t[i], i), t[i])
-    out = tr.drain_all(10)
+    out = drain_all(tr, 10)
     assert [r.key.iteration for r in out] == [10, 11]
     assert all(torch.equal(r.tensor(), t[r.key.iteration].cpu()) for r in out)
     tr.close()
@@ -174,7 +176,7 @@ def test_group_publish_round_trip_in_order_with_its_own_firings():
     handles = [tr.site_handle(s) for s in sites]
     firings = [Firing(5, i % 3, 0, "train", i % 2) for i in range(len(tensors))]
     assert tr.publish_firings(handles, tensors, firings) == [True] * len(tensors)
-    out = tr.drain_all(30)
+    out = drain_all(tr, 30)
     assert [r.key for r in out] == [s.fired(f) for s, f in zip(sites, firings)]
     for r, o in zip(out, oracles):
         assert torch.equal(r.tensor().view(torch.uint8), o.view(torch.uint8)) if o.numel() else r.payload == b""
@@ -196,7 +198,7 @@ def test_group_publish_drops_exactly_what_does_not_fit():
     torch.cuda.synchronize()
     s = tr.stats
     assert (s.published, s.dropped, s.dropped_bytes) == (4, 2, 512)
-    out = tr.drain_all(10)
+    out = drain_all(tr, 10)
     assert [r.key.iteration for r in out] == [0, 1, 2, 3]  # reserved in order: the first four fit
     assert all(torch.equal(r.tensor(), t[r.key.iteration].cpu()) for r in out)
     tr.close()
@@ -240,9 +242,9 @@ def test_block_mode_times_out_instead_of_hanging():
     t0 = time.perf_counter()
     torch.cuda.synchronize()
     waited = time.perf_counter() - t0
-    st = tr.ring_state()
+    st = ring_state(tr)
     assert st["timeouts"] == 1 and tr.stats.dropped == 1 and 0.3 < waited < 10
-    assert [r.key.iteration for r in tr.drain_all(5)] == [0, 1]
+    assert [r.key.iteration for r in drain_all(tr, 5)] == [0, 1]
     tr.close()
 
 
@@ -285,7 +287,7 @@ def test_cuda_graph_replays_with_gate_and_context():
     torch.cuda.synchronize()
     s = tr.stats
     assert s.published == 15 and s.rejected - warm_rejected == 15 and s.dropped == 0
-    out = tr.drain_all(10)
+    out = drain_all(tr, 10)
     assert len(out) == 15
     for i, (it, xo, ho, io) in enumerate(expected):
         a, b, c = out[3 * i : 3 * i + 3]
@@ -313,7 +315,7 @@ def test_drain_throughput():
     for _ in range(2):  # warm-up
         tr.publish_site(site, src)
     torch.cuda.synchronize()
-    tr.drain_all(30)
+    drain_all(tr, 30)
     # device -> pinned staging only (copy engine), no Python consumer in the way: 12 x 32 MB fits staging
     k = 12
     torch.cuda.synchronize()
@@ -323,7 +325,7 @@ def test_drain_throughput():
     tr.sync_drain(60)
     t_drain = time.perf_counter() - t0
     drain_gbps = k * (rec_mb << 20) / 1e9 / t_drain
-    tr.drain_all(60)
+    drain_all(tr, 60)
     th.start()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -333,7 +335,7 @@ def test_drain_throughput():
     th.join(120)
     dt = time.perf_counter() - t0
     gb = n * (rec_mb << 20) / 1e9
-    st = tr.ring_state()
+    st = ring_state(tr)
     data = {
         "records": n,
         "record_mb": rec_mb,

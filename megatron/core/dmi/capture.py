@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import SITE_FIRING, Firing, ParallelCoords, RecordKey, dtype_name
+from megatron.core.dmi.key import SITE_FIRING, Firing, ParallelCoords, RecordKey
+from megatron.core.dmi.records import dtype_name
 from megatron.core.dmi.transport.base import Transport, capturing_graph
 
 # Device gate bits (native transport): a producer captured into a CUDA graph publishes on replay
@@ -60,6 +61,8 @@ class Placement:
 
 @dataclass
 class StepContext:
+    """The schedule's position: phase, iteration and microbatch, and whether this step is captured."""
+
     phase: str = "train"
     iteration: int = 0
     microbatch: int = 0
@@ -68,12 +71,16 @@ class StepContext:
 
 @dataclass
 class CaptureStats:
+    """Recompute replays rejected or recorded, and the keys of the records the transport dropped."""
+
     replays_rejected: int = 0
     replays_recorded: int = 0
     dropped_keys: list[RecordKey] = field(default_factory=list)
 
 
 class Capture:
+    """Turns hook firings into records: applies the step context and the replay rule, then publishes."""
+
     def __init__(self, config: DMIConfig, transport: Transport, run_id: str, attempt: int, graphs: bool = False):
         """``graphs``: the model's forwards may be captured into CUDA graphs, whose producers are
         recorded whatever the step (they are gated on the device at every replay)."""
@@ -114,9 +121,6 @@ class Capture:
         if output not in self.config.hooks or not self.config.captures_layer(layer) or in_graph_warmup():
             return False
         return self.step.active or capturing_graph()
-
-    def publish(self, output: str, layer: int, coords: ParallelCoords, tensor: torch.Tensor, where: Placement) -> bool:
-        return self.publish_all(layer, coords, where, {output: tensor}) == 1
 
     def publish_all(
         self, layer: int, coords: ParallelCoords, where: Placement, tensors: dict[str, torch.Tensor]

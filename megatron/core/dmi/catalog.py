@@ -69,6 +69,8 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class HookOutput:
+    """One capturable output: its group, shape and dtype rules, how its shards combine, where it is recorded."""
+
     name: str
     group: str
     shape: str  # human-readable local shape
@@ -353,6 +355,7 @@ for _o in OUTPUTS:
 
 
 def record_bytes(output: str, model: ModelShape) -> int:
+    """Bytes of one record of ``output`` on one rank for ``model``."""
     shape, itemsize = BY_NAME[output].local_shape(model)
     n = itemsize
     for d in shape:
@@ -388,7 +391,7 @@ def layers_in_scope(
 
 
 class HookSelectionError(DMIError, ValueError):
-    pass
+    """A hook list names an unknown output or group, or has an empty item."""
 
 
 def parse_hooks(spec: str | Iterable[str]) -> frozenset[str]:
@@ -471,6 +474,7 @@ def experts_unsupported(
 
 
 def outputs_of_group(group: str, selected: frozenset[str]) -> list[str]:
+    """The outputs of ``group`` that are among ``selected``, in catalog order."""
     return [o.name for o in OUTPUTS if o.group == group and o.name in selected]
 
 

@@ -27,11 +27,12 @@ EXTRA_COMMAND_MODULES = ["megatron.core.dmi.doctor", "megatron.core.dmi.reader.w
 
 
 def add_subcommand(name: str, setup: SetupFn, help: str) -> None:
+    """Register a subcommand: ``setup`` adds its arguments to its parser."""
     _COMMANDS[name] = (setup, help)
 
 
 def database_arg(value: str) -> str:
-    """argparse type of every database flag (here and --dmi-clickhouse-database)."""
+    """The argparse type of every database flag (here and --dmi-clickhouse-database)."""
     from megatron.core.dmi.sinks.schema import IdentifierError, check_database
 
     try:
@@ -89,6 +90,7 @@ def _print_table(df, max_rows: int = 200) -> None:
 
 # -- commands ---------------------------------------------------------------------------------
 def cmd_runs(args) -> int:
+    """``runs``: list the runs of a store."""
     with _open(args) as store:
         runs = store.runs()
         if runs.empty:
@@ -116,6 +118,7 @@ def _expert_load_table(store, run_id, iteration, layers=None):
 
 
 def cmd_show(args) -> int:
+    """``show``: describe the latest run (or one, or all) with its records per output."""
     with _open(args) as store:
         runs = store.runs()
         if runs.empty:
@@ -157,6 +160,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_describe(args) -> int:
+    """``describe``: one run's outputs, and with ``--config`` its capture configuration."""
     with _open(args) as store:
         d = store.describe(args.run_id)
         print(d)
@@ -181,6 +185,7 @@ def cmd_describe(args) -> int:
 
 
 def cmd_tensor(args) -> int:
+    """``tensor``: rebuild one full tensor from its shards and print or save it."""
     import torch
 
     from megatron.core.dmi.reader import AmbiguousLayerError
@@ -211,6 +216,7 @@ def cmd_tensor(args) -> int:
 
 
 def cmd_expert_load(args) -> int:
+    """``expert-load``: tokens per expert after capacity dropping, per layer."""
     with _open(args) as store:
         run_id = store.resolve_run(args.run_id)
         if args.iteration is not None:
@@ -232,6 +238,7 @@ def cmd_expert_load(args) -> int:
 
 
 def cmd_drops(args) -> int:
+    """``drops``: the records a run dropped before they were persisted."""
     with _open(args) as store:
         run_id = store.resolve_run(args.run_id)
         drops = store.dropped_records(run_id)
@@ -259,6 +266,7 @@ def cmd_drops(args) -> int:
 
 
 def cmd_load(args) -> int:
+    """``load``: load a spool directory's segments into a store; returns 1 if any failed."""
     import os
 
     from megatron.core.dmi.reader import open_store
@@ -286,6 +294,7 @@ def cmd_load(args) -> int:
 
 
 def cmd_export(args) -> int:
+    """``export``: write a run of a store as spool segments (loadable into another store)."""
     with _open(args) as store:
         from megatron.core.dmi.sinks.export import export_spool
 
@@ -376,6 +385,7 @@ add_subcommand("export", _setup_export, "write a store back out as spool segment
 
 # -- routing analyses (reader/analyses.py) -----------------------------------------------------
 def cmd_routing_concentration(args) -> int:
+    """``routing-concentration``: each layer's share of routed tokens per expert."""
     from megatron.core.dmi.reader.analyses import routing_concentration
 
     with _open(args) as store:
@@ -393,6 +403,7 @@ def cmd_routing_concentration(args) -> int:
 
 
 def cmd_routing_predictability(args) -> int:
+    """``routing-predictability``: layer L's router applied to layer L-1's input."""
     from megatron.core.dmi.reader.analyses import routing_predictability
 
     with _open(args) as store:
@@ -405,6 +416,7 @@ def cmd_routing_predictability(args) -> int:
 
 
 def cmd_loss_vs_routing(args) -> int:
+    """``loss-vs-routing``: per-token loss of tokens with a dropped route vs the rest."""
     from megatron.core.dmi.reader.analyses import loss_vs_routing
 
     with _open(args) as store:
@@ -415,6 +427,7 @@ def cmd_loss_vs_routing(args) -> int:
 
 
 def cmd_grad_norms(args) -> int:
+    """``grad-norms``: gradient norms per layer and output."""
     from megatron.core.dmi.reader.analyses import grad_norms
 
     with _open(args) as store:
@@ -487,6 +500,7 @@ add_subcommand(
 
 
 def build_parser(prog: str = "python -m megatron.core.dmi") -> argparse.ArgumentParser:
+    """The command-line parser with every registered subcommand."""
     for mod in EXTRA_COMMAND_MODULES:
         try:
             importlib.import_module(mod)
@@ -504,6 +518,7 @@ def build_parser(prog: str = "python -m megatron.core.dmi") -> argparse.Argument
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m megatron.core.dmi") -> int:
+    """Run the command line ``argv``; returns the exit status (DMI's own errors print, not raise)."""
     # Upstream libraries' import-time notices (no CUDA, no Transformer Engine/apex, absl) are not
     # the user's business here; DMI's own warnings (e.g. a corrupt segment) still show.
     warnings.filterwarnings("ignore", module=r"(torch|transformer_engine|apex|megatron\.core(?!\.dmi))(\.|$)")

@@ -22,7 +22,7 @@ import torch
 
 from megatron.core.dmi.catalog import parse_hooks
 from megatron.core.dmi.errors import DMIError
-from megatron.core.dmi.records import PHASES
+from megatron.core.dmi.key import PHASES
 from megatron.core.dmi.sinks.backend import PASSWORD_ENV, ServerURLError, parse_server_url, redact
 from megatron.core.dmi.sinks.schema import check_database
 from megatron.core.dmi.transport.abi import SLOT_ALIGN
@@ -148,7 +148,7 @@ def parse_phases(spec: str | Iterable[str]) -> frozenset[str]:
 
 
 class LayerRangeError(ConfigValueError):
-    pass
+    """A layer selection (e.g. ``0,4-7``) is malformed, empty or out of range."""
 
 
 MAX_LAYER = 1 << 16
@@ -214,7 +214,7 @@ def check_server_url(url: str) -> str:
 
 
 class RunIdError(ConfigValueError):
-    pass
+    """A run id that cannot name a folder under the store."""
 
 
 # A run id names a folder under the store (attempts/<run id>): one path component that can never be
@@ -223,6 +223,7 @@ _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 def check_run_id(run_id: str) -> str:
+    """``run_id`` if it can name a folder under the store, else raise ``RunIdError``."""
     if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
         raise RunIdError(
             f"run id must be 1-128 ASCII letters, digits, '.', '_' or '-', starting with a letter "

@@ -209,4 +209,5 @@ def disable() -> None:
 
 
 def enabled() -> bool:
+    """Whether CPU mode is on in this process."""
     return _mode is not None

@@ -41,6 +41,8 @@ STATUSES = ("ok", "warn", "fail")
 
 @dataclass
 class Check:
+    """One doctor finding: what was checked, ok/warn/fail, what was seen and how to fix it."""
+
     name: str
     status: str  # ok | warn | fail
     detail: str
@@ -65,6 +67,7 @@ def _version_tuple(v: str) -> tuple[int, ...]:
 
 # -- individual checks (each returns one or more Check) ---------------------------------------
 def check_python() -> Check:
+    """The Python version against the minimum DMI needs."""
     v = sys.version.split()[0]
     if sys.version_info[:2] >= MIN_PYTHON:
         return Check("python", "ok", f"{v} ({sys.executable})")
@@ -77,6 +80,7 @@ def check_python() -> Check:
 
 
 def check_torch() -> Check:
+    """Whether torch imports, and its version."""
     try:
         import torch
     except ImportError as e:
@@ -94,6 +98,7 @@ def check_torch() -> Check:
 
 
 def check_megatron_core() -> list[Check]:
+    """The installed megatron-core against the version DMI is pinned to."""
     try:
         v = metadata.version("megatron-core")
     except metadata.PackageNotFoundError:
@@ -144,6 +149,7 @@ def check_megatron_core() -> list[Check]:
 
 
 def check_cuda(require: bool) -> list[Check]:
+    """The CUDA devices torch sees (a failure only where ``require`` is set)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -185,6 +191,7 @@ def check_cuda(require: bool) -> list[Check]:
 
 
 def check_build_tools(require_cuda: bool) -> list[Check]:
+    """The compilers and tools the native ring's JIT build needs."""
     from megatron.core.dmi.transport import jit
 
     r = jit.build_report()
@@ -296,6 +303,7 @@ def check_jit_build(which: str) -> list[Check]:
 
 
 def check_optional() -> list[Check]:
+    """Optional packages, and what each adds."""
     out = []
     for mod, label, why in (
         (
@@ -337,7 +345,8 @@ def _subprocess(code: str, *args: str, timeout: float = 180) -> tuple[int, dict 
 _ROUNDTRIP = r"""
 import json, os, sys
 import torch
-from megatron.core.dmi.records import ParallelCoords, Record, RecordKey, dtype_name, tensor_to_payload
+from megatron.core.dmi.key import ParallelCoords, RecordKey
+from megatron.core.dmi.records import Record, dtype_name, tensor_to_payload
 from megatron.core.dmi.sinks import EmbeddedSink, RunInfo
 from megatron.core.dmi.reader import open_store
 store_dir = sys.argv[1]
@@ -359,6 +368,7 @@ print("DOCTOR_RESULT " + json.dumps({"equal": bool(torch.equal(back, t)), "recor
 
 
 def check_chdb() -> list[Check]:
+    """Whether chDB imports and round-trips a record through an embedded store."""
     try:
         import chdb
 
@@ -401,6 +411,7 @@ print("DOCTOR_RESULT " + json.dumps({"runs": int(len(runs))}))
 
 
 def check_store(path: str, database: str) -> list[Check]:
+    """The store directory at ``path``: whether a run can use it, and spool segments waiting in it."""
     out = []
     path = os.path.abspath(path)
     if not os.path.exists(path):
@@ -500,6 +511,7 @@ def check_store(path: str, database: str) -> list[Check]:
 
 
 def check_server(url: str, database: str, password_file: str | None) -> list[Check]:
+    """Whether a ClickHouse server at ``url`` is reachable, and DMI's schema and permissions in ``database``."""
     from megatron.core.dmi.sinks import schema as S
     from megatron.core.dmi.sinks.backend import ServerBackend, ServerURLError, parse_server_url, resolve_password
 
@@ -580,6 +592,7 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
 
 # -- the command ---------------------------------------------------------------------------------
 def run_checks(args: argparse.Namespace) -> list[Check]:
+    """Every check the arguments ask for, in order (a check that raises is reported as failed)."""
     checks: list[Check] = []
 
     def add(fn: Callable, *a) -> None:
@@ -611,6 +624,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    """``doctor``: print each check; returns 1 if any failed."""
     checks: list[Check] = []
     for c in run_checks(args):
         checks.append(c)
@@ -642,6 +656,7 @@ def _setup_doctor(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_hooks(args: argparse.Namespace) -> int:
+    """``hooks``: print the catalog of capturable outputs and their groups."""
     from megatron.core.dmi import catalog
 
     if args.markdown:

@@ -82,6 +82,7 @@ def allocate_attempt(store_dir: str, run_id: str) -> int:
 
 
 def new_run_id() -> str:
+    """A fresh run id: the start time and a random suffix."""
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
 
 

@@ -102,6 +102,7 @@ def add_dmi_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def read_password(args: argparse.Namespace) -> str | None:
+    """The server password from ``--dmi-clickhouse-password-file``, else the environment."""
     if args.dmi_clickhouse_password_file:
         with open(args.dmi_clickhouse_password_file, encoding="utf-8") as f:
             return f.read().strip()
@@ -138,6 +139,7 @@ def _fail(flag: str, message: str) -> None:
 
 
 def model_shape(args: argparse.Namespace) -> ModelShape:
+    """The model's shape as the catalog needs it, from Megatron's arguments."""
     heads = args.num_attention_heads
     itemsize = 2 if (args.bf16 or args.fp16) else 4
     return ModelShape(

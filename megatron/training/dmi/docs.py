@@ -69,7 +69,7 @@ def flags_markdown() -> str:
 
 
 def generated_sections() -> dict[str, dict[str, str]]:
-    """doc file -> {section name: generated text}."""
+    """Each doc file's generated sections: file -> {section name: generated text}."""
     from megatron.core.dmi import catalog
 
     return {"hooks.md": {"hook catalog": catalog.markdown_table()}, "usage.md": {"dmi flags": flags_markdown()}}
@@ -85,6 +85,7 @@ def _replace_section(text: str, name: str, body: str) -> str:
 
 
 def cmd_docs(args: argparse.Namespace) -> int:
+    """Check the generated sections of the docs (``--update`` rewrites the stale ones)."""
     stale = []
     for fname, sections in generated_sections().items():
         path = os.path.join(args.docs_dir, fname)
@@ -113,6 +114,7 @@ def _setup_docs(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run this module's command line."""
     p = argparse.ArgumentParser(prog="python -m megatron.training.dmi.docs", description=__doc__.splitlines()[0])
     _setup_docs(p)
     args = p.parse_args(argv)

@@ -118,6 +118,7 @@ def _cpu_training_patches() -> list[tuple[object, str, object]]:
 
 
 def compute_device() -> torch.device:
+    """The device training computes on: the CPU in CPU mode, else the current CUDA device."""
     from megatron.core.dmi import cpu_mode
 
     return torch.device("cpu") if cpu_mode.enabled() else torch.device("cuda", torch.cuda.current_device())

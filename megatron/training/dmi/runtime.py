@@ -34,6 +34,8 @@ def _dist() -> bool:
 
 
 class DMIRuntime:
+    """DMI in this training process: one per process, made by the first ``start``."""
+
     _instance: DMIRuntime | None = None
 
     @classmethod

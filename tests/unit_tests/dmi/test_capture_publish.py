@@ -6,7 +6,7 @@ import torch
 from megatron.core.dmi.capture import Capture, Placement
 from megatron.core.dmi.catalog import parse_hooks
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import ParallelCoords
+from megatron.core.dmi.key import ParallelCoords
 from megatron.core.dmi.transport.abi import SLOT_ALIGN
 from megatron.core.dmi.transport.torch_ring import TorchRingTransport
 

@@ -58,14 +58,14 @@ class Scaled(torch.nn.Module):
 @pytest.mark.parametrize("kind", ["CheckpointFunction", "CheckpointWithoutOutput"])
 def test_module_level_checkpoints(megatron_cpu, kind, record_replays):
     from megatron.core.dmi.capture import Placement
-    from megatron.core.dmi.records import ParallelCoords
+    from megatron.core.dmi.key import ParallelCoords
 
     capture = capture_for("attn.context", record_replays=record_replays)
     capture.begin_step("train", 1)
     module = Scaled()
 
     def hook(m, args, out):
-        capture.publish("attn.context", 0, ParallelCoords(), out.detach(), Placement(0, 4, 4))
+        capture.publish_all(0, ParallelCoords(), Placement(0, 4, 4), {"attn.context": out.detach()})
 
     module.register_forward_hook(hook)
     x = torch.randn(4, 3, requires_grad=True)

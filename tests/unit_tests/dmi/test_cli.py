@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron.core.dmi import cli
-from megatron.core.dmi.sinks.isolated import run_isolated
+from tests.unit_tests.dmi.isolated import run_isolated
 from tests.unit_tests.dmi.sinks import workers as W
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

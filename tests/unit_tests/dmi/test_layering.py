@@ -41,3 +41,10 @@ def test_the_reader_never_imports_the_spool_writers():
         for p in (CORE / "reader").rglob("*.py")
     }
     assert {p: n for p, n in offenders.items() if n} == {}
+
+
+def test_the_record_key_is_a_leaf_without_torch_or_arrow():
+    """The key is the bottom of the package: it imports no other DMI module (nothing cycles through
+    it), and neither torch nor pyarrow (config and readers use it without paying for them)."""
+    heavy = sorted(n for n in _imports(CORE / "key.py") if n.startswith(("torch", "pyarrow", "megatron.core.dmi.")))
+    assert heavy == []

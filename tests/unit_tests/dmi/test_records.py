@@ -1,16 +1,9 @@
 import pytest
 import torch
 
-from megatron.core.dmi.records import (
-    DTYPE_BY_NAME,
-    ParallelCoords,
-    Record,
-    RecordKey,
-    dtype_name,
-    records_to_table,
-    table_to_records,
-    tensor_to_payload,
-)
+from megatron.core.dmi.key import ParallelCoords, RecordKey
+from megatron.core.dmi.records import DTYPE_BY_NAME, Record, dtype_name, records_to_table, tensor_to_payload
+from tests.unit_tests.dmi.tables import table_to_records
 
 
 def key_for(t: torch.Tensor, **over) -> RecordKey:

@@ -35,7 +35,7 @@ from megatron.core.dmi.capture import Capture, Placement
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.hooks import experts as expert_capture
 from megatron.core.dmi.hooks import router as router_capture
-from megatron.core.dmi.records import ParallelCoords
+from megatron.core.dmi.key import ParallelCoords
 
 
 def rank_coords(vpp: int = 0) -> ParallelCoords:
@@ -60,6 +60,7 @@ def rank_coords(vpp: int = 0) -> ParallelCoords:
 
 
 def tp_size() -> int:
+    """The tensor-parallel world size (1 where the group is not initialised)."""
     try:
         return ps.get_tensor_model_parallel_world_size()
     except (AssertionError, AttributeError, RuntimeError):

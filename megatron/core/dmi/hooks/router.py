@@ -35,6 +35,7 @@ def pre_drop_visible():
 
 
 def take_pre_drop() -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The router's selection before capacity dropping, recorded by the last routing; cleared."""
     sel = getattr(_pre_drop, "selection", None)
     _pre_drop.selection = None
     return sel

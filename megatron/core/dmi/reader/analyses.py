@@ -107,6 +107,7 @@ def _pearson(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine similarity of two vectors (NaN if either is zero)."""
     denominator = float(np.linalg.norm(a) * np.linalg.norm(b))
     return float(a @ b / denominator) if denominator > 0 else float("nan")
 

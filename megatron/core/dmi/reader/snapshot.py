@@ -36,6 +36,8 @@ _TABLE_MARKER = "format_version.txt"  # present in every MergeTree table's data 
 
 @dataclass
 class SnapshotStats:
+    """What making a snapshot took: data parts linked or skipped, files linked or copied, time."""
+
     parts: int = 0  # data parts linked
     parts_covered: int = 0  # parts skipped: a merged part holds their rows
     parts_vanished: int = 0  # deleted by the store's owner while linking (then covered by a newer part)

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import pyarrow as pa
 
+from megatron.core.dmi.key import RecordKey
 from megatron.core.dmi.reader.errors import AmbiguousLayerError, ReconstructionError, StoreError
 from megatron.core.dmi.reader.snapshot import ReaderSnapshot, SnapshotStats, link_spool, link_store
-from megatron.core.dmi.records import Record, RecordKey
+from megatron.core.dmi.records import TENSOR_SCHEMA, Record
 from megatron.core.dmi.sinks import schema as S
 from megatron.core.dmi.sinks.backend import Backend, ChdbBackend, ServerBackend
 from megatron.core.dmi.sinks.ingest import IngestResult, ingest_spool
@@ -35,36 +36,8 @@ from megatron.core.dmi.sinks.ingest import IngestResult, ingest_spool
 if TYPE_CHECKING:
     import torch
 
-_KEY_SELECT = ", ".join(
-    [
-        "run_id",
-        "phase",
-        "iteration",
-        "attempt",
-        "microbatch",
-        "invocation",
-        "layer",
-        "output",
-        "rank",
-        "tp",
-        "pp",
-        "vpp",
-        "dp",
-        "cp",
-        "ep",
-        "etp",
-        "shard_index",
-        "shard_count",
-        "token_start",
-        "token_end",
-        "token_total",
-        "dtype",
-        "shape",
-        "nbytes",
-        "checksum",
-        "payload",
-    ]
-)
+# Every column of a stored record, in TENSOR_SCHEMA's order (RecordKey.from_flat reads the key's).
+_RECORD_SELECT = ", ".join(TENSOR_SCHEMA.names)
 _URL_RE = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 _VISIBLE = (
     "attempt = transform(concat(phase, ':', toString(iteration)), {vis_keys:Array(String)}, "
@@ -74,6 +47,8 @@ _VISIBLE = (
 
 @dataclass
 class RunDescription:
+    """What a store holds of one run: its attempts, outputs, layers and visible iterations."""
+
     run_id: str
     attempts: pd.DataFrame  # attempt, resumed_from_iteration, started_at, world_size, versions_json
     outputs: pd.DataFrame  # phase, output, records, bytes, layers, n_iterations, first/last iteration, ranks
@@ -475,7 +450,7 @@ class Store:
             layer = layers[0]
         params["layer"] = int(layer)
         table = self.sql(
-            f"SELECT {_KEY_SELECT} FROM {self.t('tensors')} FINAL WHERE {where} AND layer = {{layer:Int32}}", params
+            f"SELECT {_RECORD_SELECT} FROM {self.t('tensors')} FINAL WHERE {where} AND layer = {{layer:Int32}}", params
         )
         return self._to_records(table)
 
@@ -517,7 +492,7 @@ class Store:
         return reconstruct(recs, output, what=what, expected_ranks=self._expected_ranks(run_id, recs))
 
     def _expected_ranks(self, run_id: str, recs: list[Record]) -> dict[int, list[int]] | None:
-        """shard index -> ranks holding this layer with that TP coordinate (for error messages)."""
+        """Shard index -> ranks holding this layer with that TP coordinate (for error messages)."""
         k = recs[0].key
         try:
             topo = self.topology(run_id, k.attempt)
@@ -617,7 +592,7 @@ class Store:
                 "layers": [int(x) for x in layers or []],
             }
             table = self.sql(
-                f"SELECT {_KEY_SELECT} FROM {self.t('tensors')} FINAL WHERE run_id = {{run:String}} AND phase = {{phase:String}}"
+                f"SELECT {_RECORD_SELECT} FROM {self.t('tensors')} FINAL WHERE run_id = {{run:String}} AND phase = {{phase:String}}"
                 f" AND output = 'router.logits' AND iteration = {{it:Int64}} AND attempt = {{att:Int32}} AND dp = {{dp:Int32}}"
                 f" AND invocation = 0 AND (empty({{layers:Array(Int32)}}) OR has({{layers:Array(Int32)}}, layer))",
                 params,

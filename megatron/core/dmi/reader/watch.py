@@ -29,6 +29,8 @@ MAX_EXPERTS_AS_NUMBERS = 8  # wider layers show one bar character per expert
 
 @dataclass
 class LayerStats:
+    """One MoE layer's routing in a watch frame: expert loads, imbalance, drop rate, entropy."""
+
     layer: int
     tokens_routed: int  # token slots routed to experts, before capacity dropping
     expert_tokens: list[int]  # per expert, after capacity dropping
@@ -39,6 +41,8 @@ class LayerStats:
 
 @dataclass
 class WatchFrame:
+    """One refresh of the watch view: the latest complete iteration's layers and the run's totals."""
+
     store: str
     run_id: str | None
     taken_at: str
@@ -185,6 +189,7 @@ def render(frame: WatchFrame, interval: float | None = None):
 
 
 def cmd_watch(args) -> int:
+    """``watch``: the live view of a run, refreshed until interrupted (``--once``: one frame)."""
     from rich.console import Console
     from rich.live import Live
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from megatron.core.dmi.config import DMIConfig
-    from megatron.core.dmi.records import ParallelCoords
+    from megatron.core.dmi.key import ParallelCoords
     from megatron.core.dmi.sinks.sinks import DMISink
 
 STORE_CHDB = "chdb"
@@ -37,7 +37,6 @@ _EXPORTS = {
         "ServerBackend",
         "ServerURLError",
         "StoreBusyError",
-        "open_backend",
         "parse_server_url",
         "resolve_password",
     ],

@@ -29,7 +29,7 @@ class StoreBusyError(DMIError, RuntimeError):
 
 
 class BackendError(DMIError, RuntimeError):
-    pass
+    """A ClickHouse server could not be reached or refused a statement (the message has no secrets)."""
 
 
 def normalize_result(table: pa.Table) -> pa.Table:
@@ -54,6 +54,8 @@ def normalize_result(table: pa.Table) -> pa.Table:
 
 
 class Backend(ABC):
+    """A store's SQL connection: statements, Arrow queries and Arrow inserts, embedded or on a server."""
+
     database: str
     description: str
 
@@ -129,7 +131,7 @@ def _param_elem(v: Any) -> str:
 
 
 def chdb_params(params: dict[str, Any] | None) -> dict[str, str] | None:
-    """chDB passes parameter values as text in ClickHouse's escaped format: encode them exactly."""
+    """Parameter values as chDB takes them: text in ClickHouse's escaped format, encoded exactly."""
     if not params:
         return None
     out = {}
@@ -242,7 +244,7 @@ PASSWORD_FILE_ENV = "DMI_CLICKHOUSE_PASSWORD_FILE"
 
 
 class ServerURLError(DMIError, ValueError):
-    pass
+    """A ClickHouse server URL that is not ``http(s)://[user@]host:port`` or carries a password."""
 
 
 def parse_server_url(url: str) -> dict:
@@ -273,6 +275,7 @@ def parse_server_url(url: str) -> dict:
 
 
 def resolve_password(explicit: str | None = None, password_file: str | None = None) -> str:
+    """The server password: ``explicit``, else the environment, else a password file, else empty."""
     if explicit:
         return explicit
     if os.environ.get(PASSWORD_ENV):
@@ -321,6 +324,8 @@ def redact(text: str, secret: str | None, username: str | None = None) -> str:
 
 
 class ServerBackend(Backend):
+    """A ClickHouse server reached over HTTP(S), with the password from the environment or a file."""
+
     def __init__(
         self,
         url: str,
@@ -392,10 +397,3 @@ class ServerBackend(Backend):
             except Exception:
                 pass
             self._client = None
-
-
-def open_backend(target: str, database: str = S.DEFAULT_DATABASE, password: str | None = None) -> Backend:
-    """A URL opens a server backend, anything else an embedded chDB store path."""
-    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", target):
-        return ServerBackend(target, database, password)
-    return ChdbBackend(target, database)

@@ -32,6 +32,8 @@ class SinkReport:
 
 
 class Sink(ABC):
+    """Where the drain hands batches of records to persist them (or the native spool writer, its target)."""
+
     @abstractmethod
     def write_table(self, table: pa.Table) -> None:
         """Persist one batch, a table in ``TENSOR_SCHEMA`` (called from the drain thread)."""

@@ -126,6 +126,8 @@ def min_free_bytes() -> int:
 
 @dataclass
 class IngestResult:
+    """What an ingest pass did with each spool segment, and how many records it loaded."""
+
     segments_loaded: int = 0  # every record verified in the store (``partial`` ones included)
     segments_skipped: int = 0  # already ingested
     segments_corrupt: int = 0  # nothing in them could be loaded
@@ -173,6 +175,7 @@ def _now() -> datetime:
 
 
 def known_segment_ids(backend: Backend) -> set[str]:
+    """Ids of the spool segments a store has already ingested."""
     t = backend.query_arrow(f"SELECT segment_id FROM {backend.t('segments')}")
     return set(t.column("segment_id").to_pylist())
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.provenance import package_versions, scrub_command_line
-from megatron.core.dmi.records import ParallelCoords, RecordKey
 from megatron.core.dmi.sinks import schema as S
 from megatron.core.dmi.sinks.base import SinkReport
 
@@ -98,6 +98,7 @@ def _json(obj: Any) -> str:
 
 
 def runs_table(info: RunInfo) -> pa.Table:
+    """The ``runs`` row of one attempt."""
     return pa.Table.from_pylist(
         [
             {
@@ -122,6 +123,7 @@ def runs_table(info: RunInfo) -> pa.Table:
 
 
 def topology_table(info: RunInfo) -> pa.Table:
+    """The ``topology`` row of one rank of one attempt."""
     row = {
         "run_id": info.run_id,
         "attempt": int(info.attempt),
@@ -133,6 +135,7 @@ def topology_table(info: RunInfo) -> pa.Table:
 
 
 def drops_table(items: Sequence[tuple[RecordKey, str, datetime]]) -> pa.Table:
+    """The ``drops`` rows: each dropped record's key, why and when."""
     cols: dict[str, list] = {n: [] for n in S.DROPS_SCHEMA.names}
     for key, reason, when in items:
         for k, v in key.flat().items():
@@ -143,6 +146,7 @@ def drops_table(items: Sequence[tuple[RecordKey, str, datetime]]) -> pa.Table:
 
 
 def report_table(run_id: str, attempt: int, rank: int, report: DMISinkReport) -> pa.Table:
+    """The ``reports`` row of one rank's end-of-run sink report."""
     return pa.Table.from_pylist(
         [
             {

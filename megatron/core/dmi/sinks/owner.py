@@ -56,6 +56,7 @@ def claim_rank_dir(folder: str, run_id: str) -> None:
 
 
 def release_rank_dir(folder: str) -> None:
+    """Give up one claim on a rank's spool folder; the last one drops the lock."""
     folder = os.path.realpath(folder)
     with _owned_lock:
         held = _owned.get(folder)

@@ -16,7 +16,8 @@ import numpy as np
 import pyarrow as pa
 
 from megatron.core.dmi.errors import DMIError
-from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, PHASES, Firing, RecordKey, descriptor_table
+from megatron.core.dmi.key import PHASES, Firing, RecordKey
+from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, descriptor_table
 from megatron.core.dmi.sinks import schema as S
 
 # Format 2; format 1 had no CRC over keys and no footer.
@@ -25,7 +26,7 @@ OLD_RAW_MAGIC = b"DMIRAW01"
 
 
 class CorruptSegmentError(DMIError, RuntimeError):
-    pass
+    """A spool segment whose header or framing is damaged, or that is not a DMI segment."""
 
 
 @dataclass(frozen=True)

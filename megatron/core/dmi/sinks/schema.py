@@ -54,6 +54,7 @@ def check_database(name: str, what: str = "database name") -> str:
 
 
 def qualified(database: str, table: str) -> str:
+    """``database.table``, both checked as identifiers."""
     return f"{check_identifier(database, 'database name')}.{check_identifier(table, 'table name')}"
 
 
@@ -306,6 +307,7 @@ def ddl(database: str = DEFAULT_DATABASE) -> list[str]:
 
 
 def version_mismatch(found: int, where: str) -> SchemaVersionError:
+    """The error for a store (``where``) at another schema version, with what to do."""
     return SchemaVersionError(
         f"DMI store {where} has schema version {found}, but this megatron-dmi reads and writes schema "
         f"version {SCHEMA_VERSION}; open it with a matching megatron-dmi release or load its spool files "

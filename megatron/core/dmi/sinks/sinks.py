@@ -25,7 +25,8 @@ from datetime import UTC, datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megatron.core.dmi.records import ParallelCoords, RecordKey, table_nbytes
+from megatron.core.dmi.key import ParallelCoords, RecordKey
+from megatron.core.dmi.records import table_nbytes
 from megatron.core.dmi.sinks import schema as S
 from megatron.core.dmi.sinks.backend import BackendError, ServerBackend
 from megatron.core.dmi.sinks.base import Sink

@@ -58,6 +58,7 @@ _DICT_COLUMNS = ["run_id", "phase", "output", "dtype", "reason", "hostname", "si
 
 
 def rank_dir(spool_root: str, rank: int) -> str:
+    """The spool folder of one rank."""
     return os.path.join(spool_root, f"rank-{rank:05d}")
 
 
@@ -208,7 +209,7 @@ class SpoolWriter:
             return sum(self._tensor_rows.values())
 
     def sync(self) -> None:
-        """fsync every segment written with ``durable=False`` since the last call, then the folder
+        """Flush (fsync) every segment written with ``durable=False`` since the last call, then the folder
         (a segment already ingested and deleted needs nothing)."""
         with self._lock:
             paths, self._unsynced = self._unsynced, []
@@ -223,6 +224,8 @@ class SpoolWriter:
 
 @dataclass(frozen=True)
 class Segment:
+    """One spool segment file: its path, the rank that wrote it, its kind and sequence number."""
+
     path: str
     rank: int
     kind: str

@@ -9,7 +9,8 @@ it as a module attribute of the same name.
 from __future__ import annotations
 
 from megatron.core.dmi.errors import DMIError
-from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, Firing
+from megatron.core.dmi.key import Firing
+from megatron.core.dmi.records import DESCRIPTOR_COLUMNS
 
 SLOT_ALIGN = 256  # bytes per ring slot unit; keeps every slot aligned for vectorised producer copies
 FIRING_WORDS = len(Firing._fields)  # a firing's context words in a descriptor (iteration, ..., invocation)

@@ -18,7 +18,8 @@ import pyarrow as pa
 import torch
 
 from megatron.core.dmi.errors import DMIError
-from megatron.core.dmi.records import Firing, Record, RecordKey, records_to_table
+from megatron.core.dmi.key import Firing, RecordKey
+from megatron.core.dmi.records import Record, records_to_table
 
 OnFull = Literal["block", "drop"]
 
@@ -36,6 +37,8 @@ class RingTooSmallError(DMIError, ValueError):
 
 @dataclass
 class TransportStats:
+    """A transport's counters: records and bytes published, dropped, rejected, drained; time blocked."""
+
     published: int = 0
     published_bytes: int = 0
     dropped: int = 0
@@ -48,6 +51,8 @@ class TransportStats:
 
 
 class Transport(ABC):
+    """The ring between the training thread (``publish``) and the drain (``take``, ``take_table``)."""
+
     name: str
 
     def __init__(self, ring_bytes: int, on_full: OnFull, device: torch.device, *, block_timeout: float):

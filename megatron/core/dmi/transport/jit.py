@@ -281,6 +281,7 @@ def compile_cuda_only(verbose: bool = False) -> dict:
 
 
 def build_timings() -> dict:
+    """How long each native build took to build or load in this process."""
     return {k: dict(v) for k, v in _timings.items()}
 
 

@@ -27,21 +27,13 @@ Importing this module needs torch, numpy and pyarrow only (not megatron-core).
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from megatron.core.dmi.records import (
-    DESCRIPTOR_COLUMNS,
-    PHASES,
-    Firing,
-    Record,
-    RecordKey,
-    descriptor_table,
-    dtype_name,
-)
+from megatron.core.dmi.key import PHASES, Firing, RecordKey
+from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, Record, descriptor_table, dtype_name
 from megatron.core.dmi.transport import jit
 from megatron.core.dmi.transport.abi import FIRING_WORDS, MAX_GROUP, SLOT_ALIGN
 from megatron.core.dmi.transport.base import OnFull, Transport, TransportStats, capturing_graph
@@ -159,10 +151,6 @@ class NativeRingTransport(Transport):
         )
         return self._last_stats
 
-    def ring_state(self) -> dict:
-        """Raw ring counters and positions (head/tail/seq, timeouts, drain batches, capacities)."""
-        return dict(self._ring.stats())
-
     # ------------------------------------------------------------------ sites, gate, context
     def register_site(self, key_template: RecordKey) -> int:
         """Static part of a key (everything but iteration/microbatch/attempt/phase/invocation) ->
@@ -178,9 +166,6 @@ class NativeRingTransport(Transport):
             if self._spool is not None:
                 self._spool.add_site(site, site_json(static))
         return site
-
-    def site_key(self, site_id: int) -> RecordKey:
-        return self._sites[site_id]
 
     def set_gate(self, enabled: bool) -> None:
         """Open (True) or close (False) the device gate. On CUDA it is set on the current stream, so
@@ -425,15 +410,6 @@ class NativeRingTransport(Transport):
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         return bool(self._ring.sync(float(timeout)))
-
-    def drain_all(self, timeout: float = 10.0) -> list[Record]:
-        """Everything published so far (for tests and shutdown)."""
-        out: list[Record] = []
-        deadline = time.monotonic() + timeout
-        self.sync_drain(timeout)
-        while self.pending() > 0 and time.monotonic() < deadline:
-            out.extend(self.take(1 << 20, min(0.05, max(0.0, deadline - time.monotonic()))))
-        return out
 
     def close(self) -> None:
         if self._closed:

@@ -29,6 +29,7 @@ def register_transport(transport) -> int:
 
 
 def unregister_transport(handle: int) -> None:
+    """Forget a transport's handle (when the transport closes)."""
     with _lock:
         _transports.pop(handle, None)
 
@@ -43,6 +44,7 @@ def _lookup(handle: int):
 
 @torch.library.custom_op("dmi::ring_capture", mutates_args=("ring",))
 def ring_capture(ring: torch.Tensor, src: torch.Tensor, handle: int, site: int, mask: int = 1) -> None:
+    """Publish ``src`` at ``site`` into the transport ``handle`` names (the custom op)."""
     _lookup(handle).publish_site(site, src, mask)
 
 

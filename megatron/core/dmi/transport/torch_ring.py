@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron.core.dmi.records import Record, RecordKey
+from megatron.core.dmi.key import RecordKey
+from megatron.core.dmi.records import Record
 from megatron.core.dmi.transport.abi import SLOT_ALIGN
 from megatron.core.dmi.transport.base import OnFull, Transport
 
@@ -34,6 +35,8 @@ def _align(n: int) -> int:
 
 
 class TorchRingTransport(Transport):
+    """The pure-PyTorch ring: always available, and what ``auto`` falls back to when the native ring cannot build."""
+
     name = "torch"
 
     def __init__(self, ring_bytes: int, on_full: OnFull, device: torch.device, *, block_timeout: float):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.core.dmi.sinks.isolated import run_isolated
 from tests.functional_tests.launch import load_oracle, run_pretrain, tiny_moe_args
+from tests.unit_tests.dmi.isolated import run_isolated
 from tests.unit_tests.dmi.sinks import workers as W
 
 ITERATIONS, EXPERTS, TOPK = 3, 4, 2

@@ -7,7 +7,7 @@ import os
 import threading
 
 from megatron.core.dmi.reader.snapshot import _active_parts
-from megatron.core.dmi.sinks.isolated import run_isolated
+from tests.unit_tests.dmi.isolated import run_isolated
 from tests.unit_tests.dmi.reader import live_workers as L
 from tests.unit_tests.dmi.sinks import workers as W
 

@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from megatron.core.dmi.sinks.isolated import run_isolated
+from tests.unit_tests.dmi.isolated import run_isolated
 from tests.unit_tests.dmi.sinks import workers as W
 
 

@@ -5,7 +5,7 @@ import math
 import torch
 
 from megatron.core.dmi.records import Record, tensor_to_payload
-from megatron.core.dmi.sinks.isolated import run_isolated
+from tests.unit_tests.dmi.isolated import run_isolated
 from tests.unit_tests.dmi.sinks import workers as W
 
 

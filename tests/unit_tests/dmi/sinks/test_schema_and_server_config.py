@@ -3,7 +3,7 @@
 import pytest
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import ParallelCoords
+from megatron.core.dmi.key import ParallelCoords
 from megatron.core.dmi.sinks import (
     IdentifierError,
     ServerURLError,

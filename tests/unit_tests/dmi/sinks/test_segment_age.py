@@ -3,7 +3,7 @@ write and no flush, reach a complete segment that a live reader (and the ingeste
 
 import time
 
-from megatron.core.dmi.records import ParallelCoords
+from megatron.core.dmi.key import ParallelCoords
 from megatron.core.dmi.sinks import SpoolSink
 from megatron.core.dmi.sinks.spool import list_segments, read_segment
 from tests.unit_tests.dmi.sinks import workers as W

@@ -20,11 +20,11 @@ import torch
 
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.drain import Drain
-from megatron.core.dmi.records import ParallelCoords, RecordKey
+from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.sinks import SpoolSink
-from megatron.core.dmi.sinks.isolated import run_isolated
 from megatron.core.dmi.sinks.spool import list_segments, read_segment, verify_segment
 from megatron.core.dmi.transport.native import NativeRingTransport
+from tests.unit_tests.dmi.isolated import run_isolated
 from tests.unit_tests.dmi.sinks import workers as W
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))

@@ -7,10 +7,12 @@ import pyarrow as pa
 import pytest
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import ParallelCoords, records_to_table, table_to_records
+from megatron.core.dmi.key import ParallelCoords
+from megatron.core.dmi.records import records_to_table
 from megatron.core.dmi.sinks import NullSink, SpoolSink, open_sink
 from megatron.core.dmi.sinks.spool import CorruptSegmentError, SpoolWriter, list_segments, read_segment
 from tests.unit_tests.dmi.sinks.workers import dtype_records, moe_records, run_info
+from tests.unit_tests.dmi.tables import table_to_records
 
 
 def test_segment_roundtrip_bitwise_and_layout(tmp_path):

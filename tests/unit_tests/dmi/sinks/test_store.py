@@ -7,7 +7,7 @@ import shutil
 import socket
 
 from megatron.core.dmi.sinks import SCHEMA_VERSION
-from megatron.core.dmi.sinks.isolated import run_isolated, run_parallel
+from tests.unit_tests.dmi.isolated import run_isolated, run_parallel
 from tests.unit_tests.dmi.sinks import workers as W
 
 

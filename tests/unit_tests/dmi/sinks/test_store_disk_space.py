@@ -9,11 +9,11 @@ import os
 
 import pytest
 
-from megatron.core.dmi.records import ParallelCoords
+from megatron.core.dmi.key import ParallelCoords
 from megatron.core.dmi.sinks import SpoolSink
-from megatron.core.dmi.sinks.isolated import run_isolated
 from megatron.core.dmi.sinks.spool import list_segments
 from tests.fault_tests.tmpfs import fill, small_tmpfs
+from tests.unit_tests.dmi.isolated import run_isolated
 from tests.unit_tests.dmi.sinks import workers as W
 
 RECORDS = W.moe_records(iterations=range(1, 41))

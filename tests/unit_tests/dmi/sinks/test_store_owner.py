@@ -2,7 +2,7 @@
 the store and the run that holds it, and the first loses nothing. Real processes, the real
 native spool writer with a segment open."""
 
-from megatron.core.dmi.sinks.isolated import run_isolated, run_parallel
+from tests.unit_tests.dmi.isolated import run_isolated, run_parallel
 from tests.unit_tests.dmi.sinks import workers as W
 
 

@@ -12,7 +12,8 @@ import time
 import torch
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import ParallelCoords, Record, RecordKey, dtype_name, tensor_to_payload
+from megatron.core.dmi.key import ParallelCoords, RecordKey
+from megatron.core.dmi.records import Record, dtype_name, tensor_to_payload
 from megatron.core.dmi.sinks import RunInfo, open_sink
 
 RUN = "run-a"

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from megatron.core.dmi.sinks.isolated import run_isolated
 from tests.functional_tests.launch import REPO, tiny_moe_args
+from tests.unit_tests.dmi.isolated import run_isolated
 from tests.unit_tests.dmi.sinks import workers as W
 
 LAYERS, MICROBATCHES, ITERS, OUTPUTS = 2, 2, 120, 4

@@ -4,7 +4,7 @@ import types
 
 import pytest
 
-from megatron.core.dmi.records import Firing
+from megatron.core.dmi.key import Firing
 from megatron.core.dmi.transport import abi, jit
 
 

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import ParallelCoords, RecordKey, dtype_name
+from megatron.core.dmi.key import ParallelCoords, RecordKey
+from megatron.core.dmi.records import dtype_name
 from megatron.core.dmi.transport import open_transport
 from megatron.core.dmi.transport.abi import SLOT_ALIGN
 from megatron.core.dmi.transport.base import RingTooSmallError
 from megatron.core.dmi.transport.native import NativeRingTransport
+from tests.unit_tests.dmi.transport.ring import drain_all, ring_state
 
 CPU = torch.device("cpu")
 
@@ -88,7 +90,7 @@ def test_payloads_are_bitwise_identical(dtype, rows):
         t = bits.view(dtype).reshape(rows, 5) if nb else torch.empty((rows, 5), dtype=dtype)
     r = ring(max(4 * SLOT_ALIGN, 2 * t.numel() * t.element_size()))
     assert r.publish(key_for(t), t)
-    (rec,) = r.drain_all()
+    (rec,) = drain_all(r)
     assert rec.key.shape == (rows, 5) and rec.key.dtype == dtype_name(dtype)
     assert len(rec.payload) == t.numel() * t.element_size()
     got = rec.tensor()
@@ -101,7 +103,7 @@ def test_non_contiguous_tensor_is_published_in_c_order():
     t = torch.arange(24, dtype=torch.float32).reshape(4, 6).t()
     r = ring(4 * SLOT_ALIGN)
     assert r.publish(key_for(t), t)
-    (rec,) = r.drain_all()
+    (rec,) = drain_all(r)
     assert torch.equal(rec.tensor(), t.contiguous())
 
 
@@ -114,11 +116,11 @@ def test_wrap_around_with_uneven_slots_keeps_every_payload_intact():
         assert r.publish(key_for(t, iteration=i), t), i
         r.sync_drain()
         seen += r.take(100, 0.0)
-    seen += r.drain_all()
+    seen += drain_all(r)
     assert [rec.key.iteration for rec in seen] == list(range(len(sizes)))
     for i, rec in enumerate(seen):
         assert torch.equal(rec.tensor(), torch.full((sizes[i],), float(i)))
-    state = r.ring_state()
+    state = ring_state(r)
     assert state["head"] > 5 * state["capacity"]  # went round the ring several times
     assert state["tail"] == state["head"]
     assert r.stats.dropped == 0
@@ -132,21 +134,21 @@ def test_full_ring_in_drop_mode_drops_and_counts_then_recovers():
     for i in range(4, 8):
         assert r.publish(key_for(slot_tensor(i), i), slot_tensor(i))
     assert r.sync_drain()  # staging full: these stay in the ring
-    st = r.ring_state()
+    st = ring_state(r)
     assert not r.publish(key_for(slot_tensor(8), 8), slot_tensor(8))
     assert not r.publish(key_for(slot_tensor(9), 9), slot_tensor(9))
-    after = r.ring_state()
+    after = ring_state(r)
     assert (after["head"], after["published"]) == (st["head"], st["published"])  # nothing consumed
     s = r.stats
     assert (s.published, s.dropped, s.dropped_bytes) == (8, 2, 2 * 256)
     # a zero-byte record needs no payload space: it still fits in a full payload ring
     z = torch.empty((0, 4))
     assert r.publish(key_for(z, 100), z)
-    out = r.drain_all()
+    out = drain_all(r)
     assert [rec.key.iteration for rec in out] == [0, 1, 2, 3, 4, 5, 6, 7, 100]
     assert out[-1].payload == b"" and out[-1].tensor().shape == (0, 4)
     assert r.publish(key_for(slot_tensor(10), 10), slot_tensor(10))  # space again
-    assert [rec.key.iteration for rec in r.drain_all()] == [10]
+    assert [rec.key.iteration for rec in drain_all(r)] == [10]
     assert r.stats.dropped == 2
 
 
@@ -186,9 +188,9 @@ def test_block_mode_gives_up_after_the_timeout_and_counts_a_drop():
     t0 = time.perf_counter()
     assert not r.publish(key_for(slot_tensor(2), 2), slot_tensor(2))
     assert time.perf_counter() - t0 > 0.15  # it waited for its block timeout before dropping
-    assert r.ring_state()["timeouts"] == 1 and r.stats.dropped == 1
+    assert ring_state(r)["timeouts"] == 1 and r.stats.dropped == 1
     assert r.stats.blocked == 1 and r.stats.blocked_seconds > 0.15  # the wait is counted, drop or not
-    assert [rec.key.iteration for rec in r.drain_all()] == [0, 1]
+    assert [rec.key.iteration for rec in drain_all(r)] == [0, 1]
 
 
 def test_rejected_gate_leaves_the_ring_unchanged():
@@ -196,21 +198,21 @@ def test_rejected_gate_leaves_the_ring_unchanged():
     t = slot_tensor(1)
     assert r.publish(key_for(t, 1), t)
     r.sync_drain()
-    before = r.ring_state()
+    before = ring_state(r)
     r.set_gate(False)
     assert r.gate() == 0
     for i in range(5):
         assert not r.publish(key_for(t, 2 + i), t)
     z = torch.empty((0, 4))
     assert not r.publish(key_for(z, 9), z)  # zero-byte occurrences are gated too
-    after = r.ring_state()
+    after = ring_state(r)
     for field in ("head", "tail", "desc_tail", "published", "published_bytes", "dropped", "drained"):
         assert after[field] == before[field], field
     assert after["rejected"] == 6
     assert r.stats.rejected == 6 and r.stats.dropped == 0
     r.set_gate(True)
     assert r.publish(key_for(t, 20), t)
-    assert [rec.key.iteration for rec in r.drain_all()] == [1, 20]
+    assert [rec.key.iteration for rec in drain_all(r)] == [1, 20]
 
 
 def test_gate_word_and_producer_mask():
@@ -219,17 +221,18 @@ def test_gate_word_and_producer_mask():
     r.set_gate_word(0b10)  # e.g. "replays only"
     assert not r.publish_site(site, slot_tensor(1), mask=0b01)
     assert r.publish_site(site, slot_tensor(2), mask=0b10)
-    assert [torch.equal(rec.tensor(), slot_tensor(2)) for rec in r.drain_all()] == [True]
+    assert [torch.equal(rec.tensor(), slot_tensor(2)) for rec in drain_all(r)] == [True]
     assert r.stats.rejected == 1
 
 
 def test_keys_come_from_the_descriptor_context_block():
     r = ring(16 * SLOT_ALIGN)
-    sites = [
-        r.register_site(key_for(slot_tensor(0), layer=layer, output=out))
+    templates = [
+        key_for(slot_tensor(0), layer=layer, output=out)
         for layer in (0, 5)
         for out in ("router.logits", "attn.context")
     ]
+    sites = [r.register_site(t) for t in templates]
     assert len(set(sites)) == 4
     assert r.register_site(key_for(slot_tensor(0), iteration=77, layer=5, output="attn.context")) == sites[3]
     expected = []
@@ -240,10 +243,11 @@ def test_keys_come_from_the_descriptor_context_block():
                 assert r.publish_site(s, slot_tensor(it * 100 + mb * 10 + s))
                 expected.append((it, mb, s))
     assert r.context() == {"iteration": 4, "microbatch": 1, "attempt": 2, "phase": 1, "invocation": 1}
-    out = r.drain_all()
+    out = drain_all(r)
     assert len(out) == len(expected)
+    template_of = dict(zip(sites, templates))
     for rec, (it, mb, s) in zip(out, expected):
-        tmpl = r.site_key(s)
+        tmpl = template_of[s]
         assert (rec.key.iteration, rec.key.microbatch, rec.key.attempt, rec.key.phase, rec.key.invocation) == (
             it,
             mb,
@@ -321,9 +325,9 @@ def test_open_transport_hands_on_full_and_the_block_timeout_to_the_native_ring(o
     t0 = time.perf_counter()
     assert not r.publish(key_for(slot_tensor(2), 2), slot_tensor(2))
     if on_full == "block":  # the C++ ring waited for the config's timeout, then dropped
-        assert time.perf_counter() - t0 > 0.15 and r.ring_state()["timeouts"] == 1
+        assert time.perf_counter() - t0 > 0.15 and ring_state(r)["timeouts"] == 1
     else:
-        assert r.ring_state()["timeouts"] == 0
+        assert ring_state(r)["timeouts"] == 0
     assert r.stats.dropped == 1
     r.close()
 
@@ -334,6 +338,6 @@ def test_open_transport_gives_the_native_ring_on_cpu():
     assert isinstance(tr, NativeRingTransport) and tr.ring_bytes % SLOT_ALIGN == 0
     t = torch.arange(10, dtype=torch.int32)
     assert tr.publish(key_for(t, 5), t)
-    (rec,) = tr.drain_all()
+    (rec,) = drain_all(tr)
     assert torch.equal(rec.tensor(), t)
     tr.close()

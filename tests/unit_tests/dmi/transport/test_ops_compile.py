@@ -3,9 +3,11 @@
 import torch
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import ParallelCoords, RecordKey, dtype_name
+from megatron.core.dmi.key import ParallelCoords, RecordKey
+from megatron.core.dmi.records import dtype_name
 from megatron.core.dmi.transport import ops
 from megatron.core.dmi.transport.native import NativeRingTransport
+from tests.unit_tests.dmi.transport.ring import drain_all
 
 
 def _key(t, output):
@@ -53,7 +55,7 @@ def test_compiled_function_records_every_capture_once_in_order():
         h = torch.relu(x * 2.0 + 1.0)
         assert torch.allclose(y, h.sum(dim=1, keepdim=True) * h)
         expected += [("resid", it + 1, x), ("mlp", it + 1, h), ("logits", it + 1, y)]
-    out = tr.drain_all()
+    out = drain_all(tr)
     assert [(r.key.output, r.key.iteration) for r in out] == [(o, i) for o, i, _ in expected]
     for r, (_, _, t) in zip(out, expected):
         assert torch.allclose(r.tensor(), t, rtol=1e-6, atol=1e-6)
@@ -76,6 +78,6 @@ def test_eager_op_call_publishes_under_the_gate():
     ops.capture(tr, site, t)
     tr.set_gate(True)
     ops.capture(tr, site, t + 1)
-    (rec,) = tr.drain_all()
+    (rec,) = drain_all(tr)
     assert torch.equal(rec.tensor(), t + 1) and tr.stats.rejected == 1
     tr.close()

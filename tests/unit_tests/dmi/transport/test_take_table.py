@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import TENSOR_SCHEMA, records_to_table, table_to_records
+from megatron.core.dmi.records import TENSOR_SCHEMA, records_to_table
 from megatron.core.dmi.transport.native import NativeRingTransport
+from tests.unit_tests.dmi.tables import table_to_records
 from tests.unit_tests.dmi.transport.test_native_ring import key_for
 
 CPU = torch.device("cpu")
@@ -159,7 +160,7 @@ def test_drain_lingers_but_flush_is_prompt(tmp_path):
     import time
 
     from megatron.core.dmi.drain import Drain
-    from megatron.core.dmi.records import ParallelCoords
+    from megatron.core.dmi.key import ParallelCoords
     from megatron.core.dmi.sinks import SpoolSink
 
     r = NativeRingTransport(4 << 20, "block", CPU, block_timeout=DMIConfig.block_timeout)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.records import ParallelCoords, RecordKey, dtype_name
+from megatron.core.dmi.key import ParallelCoords, RecordKey
+from megatron.core.dmi.records import dtype_name
 from megatron.core.dmi.transport.abi import SLOT_ALIGN
 from megatron.core.dmi.transport.base import RingTooSmallError
 from megatron.core.dmi.transport.torch_ring import TorchRingTransport

@@ -1,5 +1,5 @@
 """Run a function in a fresh process: chDB lets a process hold one store at a time and a store be
-opened by one process, so tests and tools that touch several stores give each its own process.
+opened by one process, so tests that touch several stores give each its own process.
 
 Processes fork from a ``forkserver`` that has imported the DMI modules once (importing
 megatron.core costs seconds), and never from a process that has a store open.
