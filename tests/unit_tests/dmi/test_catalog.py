@@ -3,6 +3,24 @@ import pytest
 from megatron.core.dmi import catalog
 
 
+def shape(**overrides) -> catalog.ModelShape:
+    """A tiny model's shape (seq 32, micro-batch 2, 4 heads of 16, hidden 64, TP=2 with SP, bf16)."""
+    base = dict(
+        seq_length=32,
+        micro_batch=2,
+        num_experts=8,
+        topk=2,
+        heads=4,
+        query_groups=4,
+        head_dim=16,
+        hidden=64,
+        tp=2,
+        sequence_parallel=True,
+        model_itemsize=2,
+    )
+    return catalog.ModelShape(**{**base, **overrides})
+
+
 def test_groups_expand_to_their_default_outputs():
     assert catalog.parse_hooks("router") == {
         "router.logits",
@@ -37,19 +55,7 @@ def test_bad_hook_lists_name_the_bad_item(spec, bad):
 
 
 def test_record_sizes_follow_the_model_shape():
-    m = catalog.ModelShape(
-        seq_length=32,
-        micro_batch=2,
-        num_experts=8,
-        topk=2,
-        heads=4,
-        query_groups=2,
-        head_dim=16,
-        tp=2,
-        sequence_parallel=True,
-        router_itemsize=4,
-        model_itemsize=2,
-    )
+    m = shape(query_groups=2, router_itemsize=4)
     assert catalog.BY_NAME["router.logits"].local_shape(m)[0] == (32, 8)  # 16 local positions x 2
     assert catalog.record_bytes("router.topk_ids", m) == 32 * 2 * 4
     assert catalog.BY_NAME["attn.context"].local_shape(m)[0] == (32, 2, 2 * 16)
@@ -59,12 +65,11 @@ def test_record_sizes_follow_the_model_shape():
 def test_latent_attention_and_fp32_residual_sizes():
     """Multi-latent attention's query/key and value widths differ from head_dim; the residual
     stream is fp32 under --fp32-residual-connection while the sub-layers' outputs stay bf16."""
-    base = dict(seq_length=32, micro_batch=2, num_experts=4, topk=2, heads=4, query_groups=4, head_dim=16)
-    mla = catalog.ModelShape(**base, qk_head_dim=16 + 8, v_head_dim=12, hidden=64, model_itemsize=2)
+    mla = shape(tp=1, sequence_parallel=False, qk_head_dim=16 + 8, v_head_dim=12)
     assert catalog.BY_NAME["attn.q"].local_shape(mla)[0] == (32, 2, 4, 24)
     assert catalog.BY_NAME["attn.k"].local_shape(mla)[0] == (32, 2, 4, 24)
     assert catalog.BY_NAME["attn.context"].local_shape(mla)[0] == (32, 2, 4 * 12)
-    fp32_resid = catalog.ModelShape(**base, hidden=64, model_itemsize=2, residual_itemsize=4)
+    fp32_resid = shape(tp=1, sequence_parallel=False, residual_itemsize=4)
     for output in ("resid.in", "resid.out", "grad.resid_in"):
         assert catalog.record_bytes(output, fp32_resid) == 32 * 2 * 64 * 4, output
     assert catalog.record_bytes("mlp.out", fp32_resid) == 32 * 2 * 64 * 2
@@ -77,19 +82,7 @@ def test_markdown_table_lists_every_output():
 
 
 def test_resid_and_mlp_shapes_and_groups():
-    m = catalog.ModelShape(
-        seq_length=32,
-        micro_batch=2,
-        num_experts=8,
-        topk=2,
-        heads=4,
-        query_groups=4,
-        head_dim=16,
-        hidden=64,
-        tp=2,
-        sequence_parallel=True,
-        model_itemsize=2,
-    )
+    m = shape()
     assert catalog.BY_NAME["resid.in"].local_shape(m)[0] == (16, 2, 64)  # SP: half the sequence
     assert catalog.BY_NAME["mlp.out"].local_shape(m)[0] == (16, 2, 64)
     assert catalog.record_bytes("router.weight", m) == 8 * 64 * 2
@@ -115,19 +108,7 @@ def test_producers_per_replica(output, tp, sp, want):
 
 
 def test_gradients_are_shaped_and_sharded_like_their_forward_outputs():
-    m = catalog.ModelShape(
-        seq_length=32,
-        micro_batch=2,
-        num_experts=8,
-        topk=2,
-        heads=4,
-        query_groups=4,
-        head_dim=16,
-        hidden=64,
-        tp=2,
-        sequence_parallel=True,
-        model_itemsize=2,
-    )
+    m = shape()
     for forward, gradient in (
         ("router.logits", "grad.router_logits"),
         ("attn.context", "grad.attn_context"),
@@ -155,20 +136,7 @@ def test_sizes_table_gives_bytes_per_token():
 
 
 def test_logits_and_loss_shapes():
-    m = catalog.ModelShape(
-        seq_length=32,
-        micro_batch=2,
-        num_experts=4,
-        topk=2,
-        heads=4,
-        query_groups=4,
-        head_dim=16,
-        hidden=64,
-        vocab=256,
-        logits_topk=5,
-        tp=2,
-        sequence_parallel=True,
-    )
+    m = shape(num_experts=4, vocab=256, logits_topk=5, model_itemsize=4)
     assert catalog.BY_NAME["logits.topk"].local_shape(m)[0] == (32, 2, 5, 2)  # the full sequence under SP
     assert catalog.BY_NAME["logits.target"].local_shape(m)[0] == (32, 2, 3)
     assert catalog.BY_NAME["logits.full"].local_shape(m)[0] == (32, 2, 128)  # vocabulary shard
