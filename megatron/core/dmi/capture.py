@@ -106,11 +106,14 @@ class Capture:
         self.observers: list[Callable[[int, StepContext, dict[str, torch.Tensor]], None]] = []
 
     def begin_step(self, phase: str, iteration: int) -> None:
+        """Enter a step: the microbatch restarts at 0, the config decides whether this iteration of ``phase`` is
+        captured, and originals still awaiting their replay are forgotten."""
         self.step = StepContext(phase, iteration, 0, self.config.captures_iteration(phase, iteration))
         self.idle = not self.step.active and not self.graphs
         self._awaiting_replay.clear()
 
     def set_microbatch(self, microbatch: int) -> None:
+        """Set the microbatch index of the current step."""
         self.step.microbatch = microbatch
 
     def wants(self, output: str, layer: int) -> bool:

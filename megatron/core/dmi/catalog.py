@@ -51,10 +51,12 @@ class ModelShape:
 
     @property
     def q_dim(self) -> int:
+        """Per-head query/key width: ``qk_head_dim`` where set, else ``head_dim``."""
         return self.qk_head_dim or self.head_dim
 
     @property
     def v_dim(self) -> int:
+        """Per-head value width: ``v_head_dim`` where set, else ``head_dim``."""
         return self.v_head_dim or self.head_dim
 
     @property
@@ -64,6 +66,7 @@ class ModelShape:
 
     @property
     def router_tokens(self) -> int:
+        """Tokens the router sees per microbatch on this rank: local sequence positions times the micro batch."""
         return self.seq_local * self.micro_batch
 
 

@@ -322,10 +322,12 @@ class DMIConfig:
 
     @property
     def enabled(self) -> bool:
+        """Whether any output is selected for capture (DMI is on)."""
         return bool(self.hooks)
 
     @property
     def ring_bytes(self) -> int:
+        """The ring's size in bytes (``ring_mb`` MiB)."""
         return int(self.ring_mb * (1 << 20))
 
     def captures_iteration(self, phase: str, iteration: int) -> bool:
@@ -337,4 +339,5 @@ class DMIConfig:
         return (iteration - self.start_iter) % self.interval == 0
 
     def captures_layer(self, layer: int) -> bool:
+        """Whether ``layer`` is captured (every layer is when ``layers`` is None)."""
         return self.layers is None or layer in self.layers

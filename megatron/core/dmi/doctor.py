@@ -49,6 +49,7 @@ class Check:
     fix: str = ""
 
     def line(self) -> str:
+        """The finding as one printed line, with its fix appended when the status is not ok."""
         s = f"{self.status:<4}  {self.name:<22} {self.detail}"
         if self.status != "ok" and self.fix:
             s += f"  -> fix: {self.fix}"

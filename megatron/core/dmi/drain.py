@@ -45,6 +45,8 @@ class Drain:
         linger_bytes: int | None = None,
         native_spool: bool = True,
     ):
+        """Start draining ``transport`` into ``sink``: the drain thread, and the ring's native spool writer where
+        both allow it."""
         self.transport = transport
         self.sink = sink
         self.batch_records = batch_records
@@ -154,6 +156,8 @@ class Drain:
         return done.wait(timeout)
 
     def close(self) -> None:
+        """Stop the drain once everything published so far is handed to the sink, and release any flush still
+        waiting; the sink stays open."""
         self.transport.settle()
         self._stop.set()
         if self.native:

@@ -87,6 +87,7 @@ class RecordKey:
 
     @property
     def nbytes(self) -> int:
+        """Payload size in bytes: the element count of ``shape`` times the dtype's item size."""
         n = int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
         return n * ITEM_SIZE[self.dtype]
 
@@ -96,6 +97,7 @@ class RecordKey:
 
     @property
     def firing(self) -> Firing:
+        """The firing fields of this key: iteration, microbatch, attempt, phase and invocation."""
         return Firing(self.iteration, self.microbatch, self.attempt, self.phase, self.invocation)
 
     def fired(self, firing: Firing) -> RecordKey:
@@ -111,6 +113,7 @@ class RecordKey:
 
     @classmethod
     def from_flat(cls, row: dict) -> RecordKey:
+        """The key of a table row, the inverse of ``flat`` (coords gathered back, ``shape`` a tuple)."""
         coords = ParallelCoords(**{f.name: int(row[f.name]) for f in dataclasses.fields(ParallelCoords)})
         kwargs = {}
         for f in dataclasses.fields(cls):

@@ -60,10 +60,12 @@ class Record:
     payload: bytes
 
     def tensor(self) -> torch.Tensor:
+        """The payload as a tensor of the key's dtype and shape (a copy)."""
         return payload_to_tensor(self.payload, self.key.dtype, self.key.shape)
 
     @property
     def checksum(self) -> int:
+        """CRC-32 of the payload."""
         return zlib.crc32(self.payload)
 
 

@@ -105,6 +105,7 @@ class SessionReport:
 
     @property
     def text(self) -> str:
+        """The report as printed: a heading, then every rank's summary line, indented."""
         return f"DMI end-of-run report (run {self.run_id} attempt {self.attempt}):\n  " + "\n  ".join(self.lines)
 
 
@@ -163,6 +164,7 @@ class DMISession:
 
     @property
     def description(self) -> str:
+        """One line saying what this session captures, through which transport, into which store."""
         c = self.config
         return (
             f"DMI: run {self.run_id} attempt {self.attempt} capturing {', '.join(sorted(c.hooks))} "
@@ -258,6 +260,8 @@ class DMISession:
 
     # -- progress ---------------------------------------------------------------------------
     def status_line(self) -> str:
+        """The log-interval line: records captured, dropped, waiting in the drain, persisted and not yet in the
+        store, rejected replays and, when any, time spent waiting for ring space."""
         t = self.transport.stats
         lag = self.sink.store_lag()
         store = f"store lag: {lag} records" if lag is not None else f"store: none ({self.config.persist})"

@@ -50,11 +50,14 @@ class DMIRuntime:
 
     @classmethod
     def shutdown(cls) -> None:
+        """Close the process's runtime, if started (registered with ``atexit``)."""
         if cls._instance is not None:
             cls._instance.close()
             cls._instance = None
 
     def __init__(self, config: DMIConfig):
+        """Start this process's DMI session from ``config`` and hook into Megatron's checkpoint saves and training
+        log; ends the process (SystemExit) when host or device memory cannot hold the ring."""
         args = get_args()
         self.config = config
         self.args = args
@@ -123,12 +126,14 @@ class DMIRuntime:
         self.session.end_capture()
 
     def before_forward(self, model: torch.nn.Module) -> None:
+        """Tell the session that a forward of ``model`` is about to run in the current (1-based) iteration."""
         # Megatron sets curr_iteration to the number of completed iterations before each step; the
         # evaluation after step N runs with it unchanged, so it belongs to iteration N too.
         # Evaluation continues the microbatch count over its eval-iters batches.
         self.session.before_forward(model, self.args.curr_iteration + 1)
 
     def flush(self) -> None:
+        """Wait until every record captured so far is durable (``DMISession.flush``)."""
         self.session.flush()
 
     def _patch_training_loop(self) -> None:
@@ -160,5 +165,6 @@ class DMIRuntime:
 
     # -- the end ----------------------------------------------------------------------------
     def close(self) -> None:
+        """Restore Megatron's patched functions, close the session and print its end-of-run report on rank 0."""
         mt_training.save_checkpoint, mt_training.training_log = self._restore
         print_rank_0(self.session.close().text)

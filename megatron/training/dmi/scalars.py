@@ -95,6 +95,8 @@ class RouterScalars:
         captured_iterations: Callable[[int, int], int],
         start_iteration: int = 0,
     ):
+        """Zeroed per-layer totals on ``device``; ``captured_iterations(first, last)`` counts the captured train
+        iterations in that range, and ``start_iteration`` is the last one already written."""
         self.num_experts = num_experts
         self.score_function = score_function
         self.totals = torch.zeros(num_layers, 2 * num_experts + 2, dtype=torch.float64, device=device)

@@ -71,6 +71,8 @@ class HookSet:
     """Capture points installed on model chunks; ``remove`` restores every module exactly."""
 
     def __init__(self, capture: Capture):
+        """Prepare the sites of the groups ``capture``'s config selects; with the router group, megatron-core's token
+        dropping is recorded (``pre_drop_visible``) until ``remove``."""
         self.capture = capture
         self.layers: dict[int, list[str]] = {}  # global layer -> sites, for the topology record
         self._handles: list = []
@@ -98,6 +100,7 @@ class HookSet:
                     site(self, module, coords)
 
     def remove(self) -> None:
+        """Remove every hook and router wrapper and exit the contexts entered, restoring the modules."""
         for h in self._handles:
             h.remove()
         for r in self._wrapped_routers:
@@ -119,6 +122,7 @@ class TokenShards:
 
     @classmethod
     def of(cls, config, coords: ParallelCoords) -> TokenShards:
+        """How this rank's TP group holds tokens, from ``config``'s sequence parallelism and ``coords``."""
         tp = tp_size()
         return cls(tp, coords.tp, bool(config.sequence_parallel) and tp > 1)
 

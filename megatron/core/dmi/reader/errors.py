@@ -15,6 +15,8 @@ class AmbiguousLayerError(StoreError):
     """A tensor query named no layer, but the output was captured at several."""
 
     def __init__(self, output: str, iteration: int, layers: str):
+        """Keep the output, the iteration and the layers it was captured at (``layers``: as text); the message names
+        ``layer=``."""
         self.output, self.iteration, self.layers = output, iteration, layers
         super().__init__(self.message("layer="))
 

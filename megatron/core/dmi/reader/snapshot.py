@@ -168,6 +168,8 @@ class ReaderSnapshot:
     """A private snapshot folder under ``<store_dir>/.readers/``: ``chdb`` and ``spool`` inside."""
 
     def __init__(self, store_dir: str):
+        """Create this reader's snapshot folder under ``store_dir``, first removing those of this host's readers that
+        are gone."""
         root = os.path.join(store_dir, SNAPSHOTS_DIR)
         os.makedirs(root, exist_ok=True)
         host = socket.gethostname()
@@ -188,6 +190,7 @@ class ReaderSnapshot:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
     def close(self) -> None:
+        """Delete the snapshot folder, and ``.readers/`` too when no other reader's snapshot is left in it."""
         shutil.rmtree(self.path, ignore_errors=True)
         try:
             os.rmdir(os.path.dirname(self.path))  # the last reader leaves the store as it found it

@@ -65,6 +65,7 @@ class RunDescription:
     versions: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
+        """The description as text: totals, attempts, iteration spans, layers, layout, model, versions and drops."""
         lines = [
             f"run {self.run_id}: {self.records} records, {self.bytes / 2**20:.2f} MiB"
             + (f" ({self.superseded_records} superseded by later attempts)" if self.superseded_records else "")
@@ -229,6 +230,8 @@ class Store:
         snapshot: ReaderSnapshot | None = None,
         snapshot_stats: SnapshotStats | None = None,
     ):
+        """A view of the store at ``location`` through ``backend``; ``snapshot`` is the reader snapshot it owns and
+        removes at ``close``."""
         self.backend = backend
         self.location = location
         self.ingest_result = ingest_result or IngestResult()
@@ -238,17 +241,21 @@ class Store:
 
     # -- plumbing ---------------------------------------------------------------------------
     def __enter__(self) -> Store:
+        """The store itself, closed when the ``with`` block ends."""
         return self
 
     def __exit__(self, *exc) -> None:
+        """Close the store."""
         self.close()
 
     def close(self) -> None:
+        """Close the backend, and remove the reader snapshot this store was opened on, if any."""
         self.backend.close()
         if self._snapshot is not None:
             self._snapshot.close()
 
     def t(self, table: str) -> str:
+        """Qualified, validated name of ``table`` in the store's database."""
         return self.backend.t(table)
 
     def sql(self, query: str, params: dict[str, Any] | None = None) -> pa.Table:
@@ -256,6 +263,7 @@ class Store:
         return self.backend.query_arrow(query, params)
 
     def df(self, query: str, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        """Run SQL (as ``sql``) and return the result as a pandas DataFrame."""
         return self.sql(query, params).to_pandas()
 
     def load(self, spool_root: str, delete: bool = False, progress: bool = False) -> IngestResult:
@@ -294,6 +302,8 @@ class Store:
         return run_id
 
     def attempts(self, run_id: str) -> pd.DataFrame:
+        """One row per attempt of ``run_id``: where it resumed from, start time, world size, the JSON of its config,
+        model, layout and versions, and its command line."""
         return self.df(
             f"SELECT attempt, any(resumed_from_iteration) AS resumed_from_iteration, min(started_at) AS started_at, "
             f"max(world_size) AS world_size, any(versions_json) AS versions_json, any(config_json) AS config_json, "
@@ -329,6 +339,9 @@ class Store:
         return {"run": run_id, "vis_keys": [f"{p}:{i}" for p, i in vis], "vis_attempts": list(vis.values())}
 
     def describe(self, run_id: str | None = None) -> RunDescription:
+        """What the store holds of a run (the latest when ``run_id`` is None): visible records per phase and output,
+        attempts, iterations, layers, superseded and dropped records, and the latest attempt's config, model,
+        layout, versions and command line."""
         run_id = self.resolve_run(run_id)
         params = self._vis_params(run_id)
         outputs = self.df(
@@ -380,6 +393,7 @@ class Store:
         )
 
     def topology(self, run_id: str, attempt: int | None = None) -> pd.DataFrame:
+        """The topology rows (one per rank) of one attempt of ``run_id``, the latest when ``attempt`` is None."""
         if attempt is None:
             attempt = int(self.attempts(run_id)["attempt"].max()) if not self.attempts(run_id).empty else 0
         return self.df(
@@ -398,6 +412,7 @@ class Store:
         )
 
     def reports(self, run_id: str | None = None) -> pd.DataFrame:
+        """The end-of-run sink reports of a run (the latest when ``run_id`` is None), by attempt and rank."""
         run_id = self.resolve_run(run_id)
         return self.df(
             f"SELECT * FROM {self.t('reports')} FINAL WHERE run_id = {{run:String}} ORDER BY attempt, rank",

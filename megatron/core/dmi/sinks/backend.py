@@ -60,15 +60,19 @@ class Backend(ABC):
     description: str
 
     @abstractmethod
-    def command(self, sql: str, params: dict[str, Any] | None = None) -> None: ...
+    def command(self, sql: str, params: dict[str, Any] | None = None) -> None:
+        """Run a statement that returns nothing; ``params`` bind its ``{name:Type}`` placeholders."""
 
     @abstractmethod
-    def query_arrow(self, sql: str, params: dict[str, Any] | None = None) -> pa.Table: ...
+    def query_arrow(self, sql: str, params: dict[str, Any] | None = None) -> pa.Table:
+        """Run a query, ``params`` bound, and return its result as an Arrow table."""
 
     @abstractmethod
-    def insert_arrow(self, table: str, data: pa.Table) -> None: ...
+    def insert_arrow(self, table: str, data: pa.Table) -> None:
+        """Insert the rows of ``data`` into ``table`` of the store's database."""
 
     def close(self) -> None:
+        """Release the connection; this default has nothing to release."""
         pass
 
     def free_bytes(self) -> int | None:
@@ -154,6 +158,8 @@ class ChdbBackend(Backend):
     path per process (a chDB limit); opening the same path twice in a process shares the session."""
 
     def __init__(self, path: str, database: str = S.DEFAULT_DATABASE):
+        """Open the chDB store at ``path`` (or share this process's open session of it), taking its lock file;
+        ``StoreBusyError`` when this process has another store open or another process holds this one."""
         self.database = S.check_database(database)
         self.path = os.path.realpath(path)
         self.description = f"at {path}"
@@ -195,15 +201,18 @@ class ChdbBackend(Backend):
         self._lock = threading.Lock()  # one statement at a time (streaming inserts block the session)
 
     def command(self, sql, params=None):
+        """Run a statement on the chDB session, one statement at a time."""
         with self._lock:
             self._session.query(sql, "CSV", params=chdb_params(params))
 
     def query_arrow(self, sql, params=None):
+        """Run a query on the chDB session and return its normalized Arrow result."""
         with self._lock:
             res = self._session.query(sql, "ArrowTable", params=chdb_params(params))
         return normalize_result(res)
 
     def insert_arrow(self, table, data):
+        """Insert ``data`` into ``table``, read in place by chDB (nothing to do for no rows)."""
         if data.num_rows == 0:
             return
         cols = ", ".join(S.check_identifier(c, "column name") for c in data.schema.names)
@@ -215,9 +224,12 @@ class ChdbBackend(Backend):
             self._session.query(f"INSERT INTO {self.t(table)} ({cols}) SELECT {cols} FROM Python(arrow_rows)")
 
     def free_bytes(self) -> int | None:
+        """Free space on the file system that holds the store."""
         return shutil.disk_usage(self.path).free
 
     def close(self):
+        """Drop this backend's share of the chDB session; the last one closes the session and releases the lock file.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -334,6 +346,8 @@ class ServerBackend(Backend):
         connect_timeout: float = 3.0,
         send_receive_timeout: float = 60.0,
     ):
+        """Set up a client for the server at ``url``, connected on first use; the password is ``password``, or
+        ``resolve_password()``'s when None."""
         self.database = S.check_database(database)
         self._kw = parse_server_url(url)
         self.description = f"at {self._kw['host']}:{self._kw['port']}"
@@ -370,27 +384,33 @@ class ServerBackend(Backend):
             raise BackendError(f"ClickHouse {self.description}: {type(e).__name__}: {self.redact(str(e))}") from None
 
     def redact(self, text: str) -> str:
+        """``text`` with this server's password, credentials and foreign response bodies removed (see ``redact``)."""
         return redact(text, self._password, self._kw["username"])
 
     def ping(self) -> bool:
+        """Whether the server answers a ping (False when it cannot be reached)."""
         try:
             return bool(self._wrap(lambda c: c.ping()))
         except BackendError:
             return False
 
     def command(self, sql, params=None):
+        """Run a statement on the server (a failure raises ``BackendError``, secrets redacted)."""
         self._wrap(lambda c: c.command(sql, parameters=params or None))
 
     def query_arrow(self, sql, params=None):
+        """Run a query on the server and return its normalized Arrow result."""
         return normalize_result(self._wrap(lambda c: c.query_arrow(sql, parameters=params or None)))
 
     def insert_arrow(self, table, data):
+        """Insert ``data`` into ``table`` of the server's database (nothing to do for no rows)."""
         if data.num_rows == 0:
             return
         S.check_identifier(table, "table name")
         self._wrap(lambda c: c.insert_arrow(table, data, database=self.database))
 
     def close(self):
+        """Close the client, if connected; the next statement connects again."""
         if self._client is not None:
             try:
                 self._client.close()

@@ -144,6 +144,8 @@ class IngestResult:
     errors: list[str] = field(default_factory=list)
 
     def add(self, other: IngestResult) -> None:
+        """Add another pass's counts, missing segments, verified totals and new errors to these; its ``paused``
+        replaces ours."""
         for name in (
             "segments_loaded",
             "segments_skipped",
@@ -165,6 +167,7 @@ class IngestResult:
         self.errors.extend(e for e in other.errors if e not in self.errors)  # a stuck segment: said once
 
     def note(self, msg: str, level: int = logging.ERROR) -> None:
+        """Keep an error message once, logging it at ``level`` the first time."""
         if msg not in self.errors:
             self.errors.append(msg)
             log.log(level, "DMI: %s", msg)
@@ -476,6 +479,8 @@ class IngesterThread:
     def __init__(
         self, store_dir: str, database: str = S.DEFAULT_DATABASE, poll_s: float = 2.0, max_batch_bytes: int = 256 << 20
     ):
+        """An ingester for the store under ``store_dir`` (``start`` opens it): a pass every ``poll_s`` seconds,
+        inserting batches of up to ``max_batch_bytes`` per kind."""
         self.store_dir = store_dir
         self.spool_root = os.path.join(store_dir, "spool")
         self.database = database
@@ -494,6 +499,8 @@ class IngesterThread:
         self._paused = False
 
     def start(self) -> IngesterThread:
+        """Open the store and start the thread; returns self. When the store is busy (``StoreBusyError``) this one
+        stands down with a warning; any other failure is kept in ``result.errors``."""
         try:
             self._open()
         except StoreBusyError as e:
@@ -520,6 +527,7 @@ class IngesterThread:
             self.owner = True
 
     def wake(self) -> None:
+        """Ask the thread for a pass now rather than at the next poll."""
         self._wake.set()
 
     def _loop(self) -> None:
@@ -537,6 +545,8 @@ class IngesterThread:
                 time.sleep(min(10.0, self.poll_s * 2))
 
     def run_pass(self) -> IngestResult:
+        """Ingest the spool's completed segments once, add what the pass did to ``result`` and return it (an empty
+        result when this process has not opened the store)."""
         with self._pass_lock:
             if self.backend is None:
                 return IngestResult()
@@ -559,6 +569,7 @@ class IngesterThread:
             return r
 
     def stop(self) -> None:
+        """Stop the thread and wait for it to end."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:

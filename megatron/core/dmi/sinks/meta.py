@@ -38,6 +38,8 @@ class DMISinkReport(SinkReport):
     drops_recorded: int = 0  # keys of records lost upstream (ring full) written to the drops table
 
     def summary(self) -> str:
+        """The report's counts as one line: written, spooled and dropped, then discarded, replayed and errors where
+        any."""
         s = (
             f"written {self.records_written} ({self.bytes_written / 2**20:.1f} MiB), "
             f"spooled {self.records_spooled}, dropped {self.records_dropped}"

@@ -50,9 +50,12 @@ class VerifiedSegment:
 
     @property
     def clean(self) -> bool:
+        """Whether everything verified: no record quarantined and no problem with the segment."""
         return not self.quarantined and not self.problems
 
     def summary(self, path: str) -> str:
+        """One line for the segment at ``path``: its problems, the records quarantined (with the first reason) and
+        the verified records kept."""
         records = [q for q in self.quarantined if q.row >= 0]
         parts = list(self.problems)
         if records:

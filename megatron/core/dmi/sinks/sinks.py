@@ -51,6 +51,7 @@ class DMISink(Sink):
     name = "base"
 
     def __init__(self, run_id: str, coords: ParallelCoords):
+        """A sink for ``run_id`` on the rank at ``coords``, with an empty report."""
         self.run_id = run_id
         self.coords = coords
         self.attempt = 0
@@ -66,6 +67,7 @@ class DMISink(Sink):
         """Record the keys of records lost before reaching the sink (e.g. ring full)."""
 
     def final_ingest(self) -> IngestResult | None:
+        """The final ingest into the store; None here: this sink has no store to ingest into."""
         return None
 
     def store_lag(self) -> int | None:
@@ -83,16 +85,19 @@ class NullSink(DMISink):
     name = "none"
 
     def write_table(self, table: pa.Table) -> None:
+        """Count the table's records and bytes as discarded."""
         n = table_nbytes(table)
         with self._buf_lock:
             self.report.records_discarded += table.num_rows
             self.report.bytes_discarded += n
 
     def write_drops(self, keys, reason):
+        """Count the dropped keys; nothing is written."""
         with self._buf_lock:
             self.report.drops_recorded += len(keys)
 
     def close(self) -> DMISinkReport:
+        """Mark the sink closed and return its report."""
         self._closed = True
         return self.report
 
@@ -322,6 +327,8 @@ class SpoolSink(_BufferedSink):
     name = "spool"
 
     def __init__(self, run_id: str, coords: ParallelCoords, spool_root: str, **kw):
+        """Spool under ``spool_root``, by default with ``default_spool_writers()`` writer threads and 256 MiB
+        segments."""
         kw.setdefault("writers", default_spool_writers())
         kw.setdefault("segment_bytes", 256 << 20)  # few, large segments: few GIL round trips per byte
         super().__init__(run_id, coords, spool_root, **kw)
@@ -340,12 +347,15 @@ class SpoolSink(_BufferedSink):
         self._spool(kind, table)
 
     def native_spool_target(self) -> dict | None:
+        """The spool folder's native target for ``segment_bytes`` segments, closed after ``segment_seconds``."""
         return dict(self.spool.native_target(self.segment_bytes), segment_seconds=self.segment_seconds)
 
     def native_started(self, live_stats) -> None:
+        """Keep ``live_stats`` to read the native writer's live counters."""
         self._native_live = live_stats
 
     def native_progress(self, stats: dict, closed: list[tuple[str, int]]) -> None:
+        """Adopt the segments the native writer closed into the spool, and keep its latest counters."""
         for path, rows in closed:
             self.spool.adopt(path, rows)
         with self._buf_lock:
@@ -370,6 +380,8 @@ class EmbeddedSink(SpoolSink):
         ingest_poll_s: float = 2.0,
         **kw,
     ):
+        """Spool under ``<store_dir>/spool``; on the node's ingesting rank (``is_ingester``) also start the ingester
+        of the chDB store."""
         super().__init__(run_id, coords, os.path.join(store_dir, "spool"), **kw)
         self.store_dir = store_dir
         self.is_ingester = is_ingester
@@ -384,6 +396,7 @@ class EmbeddedSink(SpoolSink):
             self.ingester.wake()
 
     def native_progress(self, stats: dict, closed: list[tuple[str, int]]) -> None:
+        """As the spool sink does, then wake the ingester when segments were closed."""
         super().native_progress(stats, closed)
         if closed and self.ingester is not None:
             self.ingester.wake()
@@ -498,6 +511,8 @@ class ServerSink(_BufferedSink):
         segment_bytes: int = 16 << 20,
         **kw,
     ):
+        """Connect to the server at ``url`` now, spooling under ``spool_root`` while it is away; retries back off
+        from ``retry_initial_s`` to ``retry_max_s``."""
         super().__init__(run_id, coords, spool_root, segment_bytes=segment_bytes, **kw)
         self.backend = ServerBackend(url, database, password, connect_timeout=connect_timeout)
         self.retry_initial_s = retry_initial_s

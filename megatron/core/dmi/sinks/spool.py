@@ -87,6 +87,7 @@ class SpoolWriter:
     """Writes one rank's segments. Thread-safe (the drain thread and the training thread share it)."""
 
     def __init__(self, spool_root: str, rank: int, run_id: str | None = None):
+        """The writer of rank ``rank``'s folder under ``spool_root``; ``run_id`` is stamped on its segments."""
         self.rank = rank
         self.run_id = run_id or ""
         self.dir = rank_dir(spool_root, rank)
@@ -233,10 +234,12 @@ class Segment:
 
     @property
     def raw(self) -> bool:
+        """Whether this is a raw ``.dmiraw`` segment (the native spool writer's) rather than Parquet."""
         return self.path.endswith("." + RAW_EXT)
 
     @property
     def size(self) -> int:
+        """The file's size in bytes (0 once it is gone)."""
         try:
             return os.path.getsize(self.path)
         except OSError:

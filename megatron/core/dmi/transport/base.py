@@ -66,6 +66,7 @@ class Transport(ABC):
         self.stats = TransportStats()
 
     def check_fits(self, nbytes: int) -> None:
+        """Raise ``RingTooSmallError`` when a record of ``nbytes`` can never fit in the ring."""
         if nbytes > self.ring_bytes:
             raise RingTooSmallError(
                 f"a record of {nbytes} bytes does not fit the {self.ring_bytes}-byte ring; raise --dmi-ring-mb"
@@ -111,4 +112,5 @@ class Transport(ABC):
         """Make every publish issued so far visible to ``pending``/``take`` (device work included)."""
 
     def close(self) -> None:
+        """Release the ring; this default has nothing to release."""
         pass

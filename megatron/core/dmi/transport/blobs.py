@@ -20,6 +20,7 @@ class BlobLease:
     """One pooled buffer, lent until this object (and every Arrow buffer made from it) is gone."""
 
     def __init__(self, pool: BlobPool, array: np.ndarray):
+        """Lend ``array`` of ``pool``, noting its address and size."""
         self._pool = pool
         self.array = array
         self.address = int(array.ctypes.data)
@@ -32,6 +33,7 @@ class BlobLease:
         return pa.foreign_buffer(self.address, size, base=self)
 
     def __del__(self):
+        """Give the buffer back to the pool."""
         self._pool._give_back(self.array)
 
 
@@ -39,6 +41,7 @@ class BlobPool:
     """Buffers of at least ``default_bytes``; keeps up to ``keep`` free ones for reuse."""
 
     def __init__(self, default_bytes: int, keep: int = 4):
+        """An empty pool of buffers of at least ``default_bytes``, keeping up to ``keep`` free ones."""
         self.default_bytes = int(default_bytes)
         self.keep = int(keep)
         self._free: list[np.ndarray] = []
@@ -47,6 +50,7 @@ class BlobPool:
         self.leases = 0
 
     def lease(self, nbytes: int = 0) -> BlobLease:
+        """A buffer of at least ``nbytes`` and ``default_bytes``: a free one large enough, else a new one."""
         want = max(int(nbytes), self.default_bytes)
         with self._lock:
             self.leases += 1

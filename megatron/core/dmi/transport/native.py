@@ -83,6 +83,8 @@ class NativeRingTransport(Transport):
         desc_capacity: int | None = None,
         staging_bytes: int | None = None,
     ):
+        """Build the native ring on ``device``: ``ring_bytes`` rounded down to whole slots, ``desc_capacity``
+        descriptors and ``staging_bytes`` of staging (both sized from the ring by default)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -126,6 +128,7 @@ class NativeRingTransport(Transport):
     # ------------------------------------------------------------------ stats
     @property
     def stats(self) -> TransportStats:  # type: ignore[override]
+        """The ring's counters, read afresh at every access."""
         return self.refresh_stats()
 
     @stats.setter
@@ -211,6 +214,7 @@ class NativeRingTransport(Transport):
         self._ctx = ctx
 
     def context(self) -> dict:
+        """The context block's current words, by ``Firing`` field name."""
         words = self._ring.context()
         return {name: int(words[i]) for i, name in enumerate(Firing._fields)}
 
@@ -229,6 +233,8 @@ class NativeRingTransport(Transport):
             raise ValueError(f"tensor on {tensor.device} published to a native ring on {self.device}")
 
     def publish(self, key: RecordKey, tensor: torch.Tensor) -> bool:
+        """Publish ``tensor`` under ``key``, registering its site first; the key's dtype and shape must be the
+        tensor's."""
         self._check_tensor(tensor)
         if dtype_name(tensor.dtype) != key.dtype or tuple(tensor.shape) != tuple(key.shape):
             raise ValueError(
@@ -238,6 +244,7 @@ class NativeRingTransport(Transport):
         return self.publish_site(self.register_site(key), tensor, ctx=_context_words(key.firing))
 
     def site_handle(self, site: RecordKey) -> int:
+        """The registered site id of ``site``."""
         return self.register_site(site)
 
     def publish_firing(self, handle: int, tensor: torch.Tensor, firing: Firing) -> bool:
@@ -246,6 +253,8 @@ class NativeRingTransport(Transport):
         return self.publish_site(handle, tensor, ctx=_context_words(firing))
 
     def publish_firings(self, handles: list[int], tensors: list[torch.Tensor], firings: list[Firing]) -> list[bool]:
+        """On a GPU, publish the records in groups of up to ``MAX_GROUP``, one ``publish_group`` call each, and
+        return True for every record; elsewhere, or for one record, one at a time."""
         if self.device.type != "cuda" or len(tensors) < 2:
             return super().publish_firings(handles, tensors, firings)
         if self._closed:
@@ -326,6 +335,7 @@ class NativeRingTransport(Transport):
 
     @property
     def spooling(self) -> bool:
+        """Whether the native spool writer is consuming the ring."""
         return self._spool is not None
 
     def spool_flush(self, timeout: float) -> bool:
@@ -364,6 +374,7 @@ class NativeRingTransport(Transport):
         return out
 
     def take(self, max_records: int, timeout: float) -> list[Record]:
+        """``take_with_seq`` without the sequence numbers."""
         return [r for _, r in self.take_with_seq(max_records, timeout)]
 
     def take_table(self, max_records: int, timeout: float, min_bytes: int = 0) -> pa.Table | None:
@@ -396,6 +407,7 @@ class NativeRingTransport(Transport):
             raise RuntimeError("the native spool writer is the consumer of this ring: take() is not available")
 
     def pending(self) -> int:
+        """Records published but not yet taken, from the ring's counters."""
         s = self._ring.stats()
         return int(s["published"] - s["taken"])
 
@@ -412,6 +424,7 @@ class NativeRingTransport(Transport):
         return bool(self._ring.sync(float(timeout)))
 
     def close(self) -> None:
+        """Close the ring; a running native spool writer first writes everything published and stops. Idempotent."""
         if self._closed:
             return
         self.refresh_stats()
@@ -425,6 +438,7 @@ class NativeRingTransport(Transport):
         self._ring.close()  # memory is freed once the ring tensor is gone too
 
     def __del__(self):  # pragma: no cover - best effort
+        """Close the ring, ignoring any error (best effort at garbage collection)."""
         try:
             self.close()
         except Exception:

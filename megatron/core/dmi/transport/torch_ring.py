@@ -40,6 +40,7 @@ class TorchRingTransport(Transport):
     name = "torch"
 
     def __init__(self, ring_bytes: int, on_full: OnFull, device: torch.device, *, block_timeout: float):
+        """Allocate the ring on ``device``, with a pinned staging buffer of the same size and a copy stream on CUDA."""
         super().__init__(ring_bytes, on_full, device, block_timeout=block_timeout)
         self.ring = torch.empty(ring_bytes, dtype=torch.uint8, device=device)
         self._cuda = self.ring.is_cuda
@@ -65,6 +66,8 @@ class TorchRingTransport(Transport):
         return offset, new_head
 
     def publish(self, key: RecordKey, tensor: torch.Tensor) -> bool:
+        """Reserve a slot and copy ``tensor`` into it asynchronously; False when dropped (ring full, after waiting up
+        to ``block_timeout`` under ``block``)."""
         nbytes = key.nbytes
         self.check_fits(_align(max(nbytes, 1)))
         with self._cv:
@@ -111,6 +114,8 @@ class TorchRingTransport(Transport):
         return [self._staging[p : p + n].numpy().tobytes() for p, n in spans]
 
     def take(self, max_records: int, timeout: float) -> list[Record]:
+        """Copy out up to ``max_records`` records in publish order, waiting up to ``timeout`` for the first, and free
+        their ring space."""
         with self._cv:
             if not self._slots:
                 self._cv.wait(timeout)
@@ -129,5 +134,6 @@ class TorchRingTransport(Transport):
         return [Record(s.key, p) for s, p in zip(slots, payloads)]
 
     def pending(self) -> int:
+        """Records published but not yet taken."""
         with self._cv:
             return len(self._slots)
