@@ -302,7 +302,15 @@ def ingest_spool(
             ):
                 rows[k].append(v)
         if done:
-            backend.insert_arrow("segments", pa.Table.from_pydict(rows, schema=S.SEGMENTS_SCHEMA))
+            try:
+                backend.insert_arrow("segments", pa.Table.from_pydict(rows, schema=S.SEGMENTS_SCHEMA))
+            except Exception as exc:  # the records are in the store (read back and credited); only the
+                # bookkeeping row is not: keep the segments, the next pass loads them again (no duplicates)
+                res.note(
+                    f"recording {len(done)} loaded spool segment(s) in {S.qualified(backend.database, 'segments')} "
+                    f"failed: {exc}; their records are in the store, the segments stay in the spool and are retried"
+                )
+                return
         for p in done:
             known.add(p.sid)
             res.segments_loaded += 1

@@ -80,3 +80,24 @@ def test_rows_an_insert_loses_silently_are_caught_by_the_read_back(tmp_path):
     assert r["segments_unverified"] == len(tensor_segments)
     assert any("not found in the store after the insert" in e for e in r["errors"]), r["errors"]
     assert sum(n for n, _ in r["verified"].values()) == 0
+
+
+def test_a_refused_segments_record_keeps_the_records_credited_and_the_segment_for_a_retry(tmp_path):
+    """The tensors of a batch are inserted and read back, then the store refuses the row that
+    records the segment as loaded (seen on CI with a nearly full disk: the report then said
+    "dropped"). The records are in the store and credited as such, the segment stays in the spool,
+    and a later pass loads it again without a duplicate."""
+    store = str(tmp_path / "store")
+    run_isolated(W.ingest_and_count, store, os.path.join(store, "spool"))  # creates the store
+    sink = SpoolSink(W.RUN, ParallelCoords(rank=0), os.path.join(store, "spool"))
+    sink.write(RECORDS)
+    sink.close()
+    tensor_segments = {s.path for s in list_segments(os.path.join(store, "spool")) if s.kind == "tensors"}
+    out = run_isolated(W.ingest_and_count, store, os.path.join(store, "spool"), None, False, True)
+    r = out["result"]
+    assert any("failed: " in e and "segments stay in the spool" in e for e in r["errors"]), r["errors"]
+    assert sum(n for n, _ in r["verified"].values()) == len(out["tensors"]) == len(RECORDS)  # credited: they are in
+    assert tensor_segments <= {s.path for s in list_segments(os.path.join(store, "spool"))}  # kept for a retry
+    again = run_isolated(W.ingest_and_count, store, os.path.join(store, "spool"))
+    assert len(again["tensors"]) == len(RECORDS) and not again["result"]["errors"], again["result"]
+    assert not {s.path for s in list_segments(os.path.join(store, "spool"))} & tensor_segments

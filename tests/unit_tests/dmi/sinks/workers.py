@@ -349,21 +349,26 @@ def ingest_while_running(store_dir: str) -> dict:
     return {"emptied": emptied, "loaded_before_close": loaded, "report": dataclasses.asdict(rep)}
 
 
-def ingest_and_count(store_dir: str, spool: str, env: dict | None = None, lossy_insert: bool = False) -> dict:
+def ingest_and_count(
+    store_dir: str, spool: str, env: dict | None = None, lossy_insert: bool = False, segments_refused: bool = False
+) -> dict:
     """``ingest_spool`` (deleting what it loads) into the chDB store under ``store_dir``; returns
     its result and, by plain SQL, the stored tensors, quarantine rows and segment rows.
     ``lossy_insert``: a fault injected into the real store: the tensors table's inserts keep every
-    other row and return without error."""
+    other row and return without error. ``segments_refused``: the store refuses the inserts into
+    its segments table (where ingest records a loaded segment) as a full disk would."""
     from megatron.core.dmi.sinks import ChdbBackend
     from megatron.core.dmi.sinks.ingest import ingest_spool
 
-    class LossyInsert(ChdbBackend):
+    class FaultyStore(ChdbBackend):
         def insert_arrow(self, table, data):
-            keep = data.take(list(range(0, data.num_rows, 2))) if table == "tensors" else data
+            if segments_refused and table == "segments":
+                raise RuntimeError("Code: 243. DB::Exception: Cannot reserve 1.00 MiB, not enough space (injected)")
+            keep = data.take(list(range(0, data.num_rows, 2))) if lossy_insert and table == "tensors" else data
             super().insert_arrow(table, keep)
 
     os.environ.update(env or {})
-    b = (LossyInsert if lossy_insert else ChdbBackend)(os.path.join(store_dir, "chdb"))
+    b = FaultyStore(os.path.join(store_dir, "chdb"))
     try:
         b.ensure_schema()
         r = ingest_spool(b, spool, delete=True)
