@@ -109,7 +109,9 @@ def analyse(d: str, skip: int) -> dict:
             if key in h:
                 out[key] = h[key]["median"]
         if off and "router.host_us_per_firing" in out and "attn.host_us_per_firing" in out:
-            layers = 8  # step_time_h200.sh's model: one router and one attention firing per layer
+            layers = h["model"][
+                "layers"
+            ]  # host_cost.py ran the step-time model: one router and one attention firing per layer
             r, a = out["router.host_us_per_firing"], out["attn.host_us_per_firing"]
             out["dmi_host_pct_of_step"] = {
                 "router": 100.0 * layers * r / 1000.0 / off,

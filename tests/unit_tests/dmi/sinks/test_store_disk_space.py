@@ -19,6 +19,19 @@ from tests.unit_tests.dmi.sinks import workers as W
 RECORDS = W.moe_records(iterations=range(1, 41))
 
 
+def spooled_store(store: str) -> str:
+    """A store with its schema created and a run's segments (RECORDS) waiting in its spool."""
+    run_isolated(W.ingest_and_count, store, os.path.join(store, "spool"))  # creates the store
+    sink = SpoolSink(W.RUN, ParallelCoords(rank=0), os.path.join(store, "spool"))
+    sink.write(RECORDS)
+    sink.close()
+    return store
+
+
+def tensor_segments(store: str) -> set[str]:
+    return {s.path for s in list_segments(os.path.join(store, "spool")) if s.kind == "tensors"}
+
+
 @pytest.fixture
 def nearly_full_store(tmp_path):
     """A store (schema created) whose spool holds a run's segments, on a 20 MiB tmpfs left with
@@ -27,11 +40,7 @@ def nearly_full_store(tmp_path):
     with small_tmpfs(mnt, "20m") as why:
         if why:
             pytest.skip(why)
-        store = os.path.join(mnt, "store")
-        run_isolated(W.ingest_and_count, store, os.path.join(store, "spool"))  # creates the store
-        sink = SpoolSink(W.RUN, ParallelCoords(rank=0), os.path.join(store, "spool"))
-        sink.write(RECORDS)
-        sink.close()
+        store = spooled_store(os.path.join(mnt, "store"))
         fill(mnt, leave_bytes=int(1.1 * 2**20))
         yield store
 
@@ -67,17 +76,13 @@ def test_rows_an_insert_loses_silently_are_caught_by_the_read_back(tmp_path):
     """An insert that returns without error and stores only part of its batch (injected: the
     backend's insert drops every other row before a real chDB insert) is caught by reading the
     batch back: those segments stay in the spool, and `verified` counts only what the store holds."""
-    store = str(tmp_path / "store")
-    run_isolated(W.ingest_and_count, store, os.path.join(store, "spool"))  # creates the store
-    sink = SpoolSink(W.RUN, ParallelCoords(rank=0), os.path.join(store, "spool"))
-    sink.write(RECORDS)
-    sink.close()
-    tensor_segments = {s.path for s in list_segments(os.path.join(store, "spool")) if s.kind == "tensors"}
+    store = spooled_store(str(tmp_path / "store"))
+    waiting = tensor_segments(store)
     out = run_isolated(W.ingest_and_count, store, os.path.join(store, "spool"), None, True)
     r = out["result"]
     left = {s.path for s in list_segments(os.path.join(store, "spool"))}
-    assert tensor_segments and tensor_segments <= left, r  # every tensor segment kept
-    assert r["segments_unverified"] == len(tensor_segments)
+    assert waiting and waiting <= left, r  # every tensor segment kept
+    assert r["segments_unverified"] == len(waiting)
     assert any("not found in the store after the insert" in e for e in r["errors"]), r["errors"]
     assert sum(n for n, _ in r["verified"].values()) == 0
 
@@ -87,17 +92,13 @@ def test_a_refused_segments_record_keeps_the_records_credited_and_the_segment_fo
     records the segment as loaded (seen on CI with a nearly full disk: the report then said
     "dropped"). The records are in the store and credited as such, the segment stays in the spool,
     and a later pass loads it again without a duplicate."""
-    store = str(tmp_path / "store")
-    run_isolated(W.ingest_and_count, store, os.path.join(store, "spool"))  # creates the store
-    sink = SpoolSink(W.RUN, ParallelCoords(rank=0), os.path.join(store, "spool"))
-    sink.write(RECORDS)
-    sink.close()
-    tensor_segments = {s.path for s in list_segments(os.path.join(store, "spool")) if s.kind == "tensors"}
+    store = spooled_store(str(tmp_path / "store"))
+    waiting = tensor_segments(store)
     out = run_isolated(W.ingest_and_count, store, os.path.join(store, "spool"), None, False, True)
     r = out["result"]
     assert any("failed: " in e and "segments stay in the spool" in e for e in r["errors"]), r["errors"]
     assert sum(n for n, _ in r["verified"].values()) == len(out["tensors"]) == len(RECORDS)  # credited: they are in
-    assert tensor_segments <= {s.path for s in list_segments(os.path.join(store, "spool"))}  # kept for a retry
+    assert waiting <= {s.path for s in list_segments(os.path.join(store, "spool"))}  # kept for a retry
     again = run_isolated(W.ingest_and_count, store, os.path.join(store, "spool"))
     assert len(again["tensors"]) == len(RECORDS) and not again["result"]["errors"], again["result"]
-    assert not {s.path for s in list_segments(os.path.join(store, "spool"))} & tensor_segments
+    assert not {s.path for s in list_segments(os.path.join(store, "spool"))} & waiting
