@@ -240,6 +240,18 @@ def ingest_spool(
     pending: dict[str, list[_Pending]] = {}
     pending_bytes: dict[str, int] = {}
 
+    def credit(kind: str, batch: list[_Pending], missing: np.ndarray) -> None:
+        """Count the records of each tensor segment whose rows were all read back, once per segment."""
+        if kind != "tensors":
+            return
+        start = 0
+        for p in batch:
+            n = p.table.num_rows
+            if not missing[start : start + n].any() and p.sid not in credited:
+                credited.add(p.sid)
+                _count_verified(res, p.table, p.seg.rank)
+            start += n
+
     def commit(kind: str) -> None:
         batch = pending.pop(kind, [])
         pending_bytes.pop(kind, None)
@@ -249,20 +261,33 @@ def ingest_spool(
             return
         tables = [p.table for p in batch]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        missing = np.zeros(table.num_rows, dtype=bool)
         derived_missing = 0
+        refused = None
         try:
-            for name, t in load_table(backend, kind, table):
+            loaded = load_table(backend, kind, table)
+        except Exception as exc:  # the store refused the batch (disk full, server error), but an insert can
+            # fail after storing some or all of its rows (seen on a full disk): the read-back below decides
+            refused = exc
+            loaded = [(kind, table)]
+        missing = np.ones(table.num_rows, dtype=bool)
+        try:
+            for name, t in loaded:
                 m = rows_missing(backend, name, t)
                 if name == kind:
                     missing = m
                 else:
                     derived_missing += int(m.sum())
-        except Exception as exc:  # the store refused the batch (disk full, server error): none of it counts
+        except Exception as exc:  # cannot read back: nothing of the batch counts
+            refused = refused or exc
+            missing[:] = True
+        credit(kind, batch, missing)
+        if refused is not None:
             res.segments_unverified += len(batch)
+            landed = int((~missing).sum())
             res.note(
-                f"insert of {len(batch)} spool segment(s) ({table.num_rows} rows) failed: {exc}; "
-                "they stay in the spool and are retried"
+                f"insert of {len(batch)} spool segment(s) ({table.num_rows} rows) failed: {refused}; "
+                + (f"{landed} of the rows are in the store nevertheless (read back); " if landed else "")
+                + "the segments stay in the spool and are retried"
             )
             return
         now = _now()
@@ -273,9 +298,6 @@ def ingest_spool(
             n = p.table.num_rows
             lost = int(missing[start : start + n].sum())
             start += n
-            if kind == "tensors" and not lost and p.sid not in credited:  # its records are in the store
-                credited.add(p.sid)
-                _count_verified(res, p.table, p.seg.rank)
             if lost or derived_missing:
                 res.segments_unverified += 1
                 what = (

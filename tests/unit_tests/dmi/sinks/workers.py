@@ -341,31 +341,36 @@ def ingest_while_running(store_dir: str) -> dict:
     sink.flush()
     folder = os.path.join(store_dir, "spool", "rank-00000")
     deadline = time.time() + 30
-    while os.listdir(folder) and time.time() < deadline:
+    # the pass retires segments before it adds its counts to ``result``: wait on the counts
+    while (sink.ingester.result.segments_loaded < 3 or os.listdir(folder)) and time.time() < deadline:
         time.sleep(0.05)
-    emptied = not os.listdir(folder)
     loaded = sink.ingester.result.segments_loaded
+    emptied = not os.listdir(folder)
     rep = sink.close()
     return {"emptied": emptied, "loaded_before_close": loaded, "report": dataclasses.asdict(rep)}
 
 
-def ingest_and_count(
-    store_dir: str, spool: str, env: dict | None = None, lossy_insert: bool = False, segments_refused: bool = False
-) -> dict:
+def ingest_and_count(store_dir: str, spool: str, env: dict | None = None, fault: str = "") -> dict:
     """``ingest_spool`` (deleting what it loads) into the chDB store under ``store_dir``; returns
     its result and, by plain SQL, the stored tensors, quarantine rows and segment rows.
-    ``lossy_insert``: a fault injected into the real store: the tensors table's inserts keep every
-    other row and return without error. ``segments_refused``: the store refuses the inserts into
-    its segments table (where ingest records a loaded segment) as a full disk would."""
+    ``fault`` injects one into the real store: ``lossy_insert``: the tensors table's inserts keep
+    every other row and return without error; ``segments_refused``: the store refuses the inserts
+    into its segments table (where ingest records a loaded segment) as a full disk would;
+    ``stored_then_refused``: the tensors table's inserts store every row, then raise (as chDB did
+    on a nearly full disk)."""
     from megatron.core.dmi.sinks import ChdbBackend
     from megatron.core.dmi.sinks.ingest import ingest_spool
 
+    full = "Code: 243. DB::Exception: Cannot reserve 1.00 MiB, not enough space (injected)"
+
     class FaultyStore(ChdbBackend):
         def insert_arrow(self, table, data):
-            if segments_refused and table == "segments":
-                raise RuntimeError("Code: 243. DB::Exception: Cannot reserve 1.00 MiB, not enough space (injected)")
-            keep = data.take(list(range(0, data.num_rows, 2))) if lossy_insert and table == "tensors" else data
+            if fault == "segments_refused" and table == "segments":
+                raise RuntimeError(full)
+            keep = data.take(list(range(0, data.num_rows, 2))) if fault == "lossy_insert" and table == "tensors" else data
             super().insert_arrow(table, keep)
+            if fault == "stored_then_refused" and table == "tensors":
+                raise RuntimeError(full)
 
     os.environ.update(env or {})
     b = FaultyStore(os.path.join(store_dir, "chdb"))
