@@ -367,7 +367,9 @@ def ingest_and_count(store_dir: str, spool: str, env: dict | None = None, fault:
         def insert_arrow(self, table, data):
             if fault == "segments_refused" and table == "segments":
                 raise RuntimeError(full)
-            keep = data.take(list(range(0, data.num_rows, 2))) if fault == "lossy_insert" and table == "tensors" else data
+            keep = (
+                data.take(list(range(0, data.num_rows, 2))) if fault == "lossy_insert" and table == "tensors" else data
+            )
             super().insert_arrow(table, keep)
             if fault == "stored_then_refused" and table == "tensors":
                 raise RuntimeError(full)
