@@ -75,9 +75,15 @@ class Layout:
     doc: str = ""
     dense: bool = False  # no MoE: attention hooks only
 
+    @property
+    def experts(self) -> bool:
+        """Whether the layout also captures mlp.experts (the allgather dispatcher, no token dropping)."""
+        return not self.dense and self.dispatcher == "allgather" and "--moe-expert-capacity-factor" not in self.args
+
     def full_args(self) -> list[str]:
         if not self.dense:
-            return BASE_ARGS + ["--moe-token-dispatcher-type", self.dispatcher] + list(self.args)
+            hooks = ["--dmi-hooks", BASE_ARGS[-1] + ",mlp.experts"] if self.experts else []
+            return BASE_ARGS + ["--moe-token-dispatcher-type", self.dispatcher] + hooks + list(self.args)
         args, skip = [], 0
         for _i, a in enumerate(BASE_ARGS):
             if skip:
@@ -126,6 +132,19 @@ LAYOUTS = [
         ),
         dispatcher="alltoall",
     ),
+    Layout(
+        "tp2_sp_ep2_allgather",
+        4,
+        (
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+            "--expert-model-parallel-size",
+            "2",
+            "--expert-tensor-parallel-size",
+            "1",
+        ),
+    ),  # mlp.experts: tokens of both TP shards and both EP ranks in one expert group
     Layout("pp2", 2, ("--pipeline-model-parallel-size", "2")),
     Layout(
         "pp2_vpp2",

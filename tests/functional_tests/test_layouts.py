@@ -21,7 +21,7 @@ import torch
 
 from megatron.core.dmi import catalog
 from tests.functional_tests import runner
-from tests.functional_tests.layouts import BASE_ARGS, BY_NAME, LAYOUTS, Layout, expected_record_counts
+from tests.functional_tests.layouts import BY_NAME, LAYOUTS, Layout, expected_record_counts
 from tests.functional_tests.oracle_compare import bitwise, topk_consistent
 
 ROUTER = ("router.logits", "router.topk_ids", "router.topk_probs", "router.expert_counts")
@@ -47,12 +47,12 @@ SINGLE_RANK_BITWISE: dict[str, set[tuple[str, int]]] = {}  # filled from the tab
 # EP: layer 0's input and router weight match; its MLP output holds the differently drawn experts.
 _EXACT_LAYER0 = {(o, 0) for o in ALL} | {("resid.in", 0), ("router.weight", 0)}
 _LAST_LAYER_ONLY = ("resid.out", "loss.token") + LOGITS
-_ALL2 = {(o, l) for o in ALL + RESID_MLP for l in (0, 1) if o not in _LAST_LAYER_ONLY + ("mlp.shared",)} | {
-    (o, 1) for o in _LAST_LAYER_ONLY
-}
+_ALL2 = {
+    (o, l) for o in ALL + RESID_MLP + ("mlp.experts",) for l in (0, 1) if o not in _LAST_LAYER_ONLY + ("mlp.shared",)
+} | {(o, 1) for o in _LAST_LAYER_ONLY}
 SINGLE_RANK_EXPECT = {
     "dp2": _ALL2,
-    "pp2": _EXACT_LAYER0 | {("mlp.out", 0)},
+    "pp2": _EXACT_LAYER0 | {("mlp.out", 0), ("mlp.experts", 0)},
     "ep2_alltoall": _EXACT_LAYER0,
     "ep2_allgather": _EXACT_LAYER0,
     "ep2_capacity": None,  # different capacity factor from the reference run: in-run oracle only
@@ -60,6 +60,7 @@ SINGLE_RANK_EXPECT = {
     "tp2": set(),
     "tp2_sp": set(),
     "tp2_sp_ep2": set(),
+    "tp2_sp_ep2_allgather": set(),
     "tp2_sp_shared": None,  # a shared expert: no single-rank reference run of that model here
     "pp2_vpp2": None,  # 4 layers: no single-rank reference run of that model here
 }
@@ -73,7 +74,7 @@ def _run(name: str, layout: Layout | None, tmp_path_factory) -> dict:
     work = str(tmp_path_factory.mktemp(name))
     store = os.path.join(work, "dmi_store")
     if layout is None:  # the single-rank reference
-        args, nproc = BASE_ARGS + ["--moe-token-dispatcher-type", "allgather"], 1
+        args, nproc = BY_NAME["dp2"].full_args(), 1  # the same model and hooks on one process
     else:
         args, nproc = layout.full_args(), layout.nproc
     args = args + ["--dmi-persist", "spool", "--dmi-store-dir", store, "--cpu-dev-mode"]
@@ -158,6 +159,10 @@ def test_layout(name, tmp_path_factory):
         if o in expected
     }, compared_resid
 
+    if layout.experts:
+        experts_checked = check_expert_rows(dump, int(layout.value("--moe-router-topk")))
+        assert experts_checked == expected["mlp.experts"] // catalog.producers_per_replica("mlp.experts", tp, sp)
+
     if name == "ep2_capacity":
         ids = torch.cat([v for k, v in dump["tensors"].items() if k[4] == "router.topk_ids"])
         assert int((ids == 4).sum()) > 0, "capacity factor 1.0 dropped nothing"
@@ -190,16 +195,58 @@ def test_layout(name, tmp_path_factory):
     )
 
 
-def test_missing_rank_is_refused_and_named(tmp_path_factory):
-    """Delete rank 1's spool of the TP=2 run, load the rest: the reader refuses attention tensors
-    (rank 1 held half of the heads) and says which shard and rank are missing."""
-    res = _run("tp2", BY_NAME["tp2"], tmp_path_factory)
+def check_expert_rows(dump: dict, topk: int) -> int:
+    """Every data-parallel rank's mlp.experts rows, rebuilt from its whole expert group: each token
+    has ``topk`` rows naming it and their slot as router.topk_ids does, and a token's rows add up to
+    mlp.out (minus mlp.shared). Close, not bitwise: the dispatcher adds each rank's rows before the
+    group's reduce-scatter, and expert-tensor-parallel partials in the group's order. Returns how
+    many (iteration, microbatch, layer, dp) were checked."""
+    checked = 0
+    for key, rows in dump["tensors"].items():
+        if key[4] != "mlp.experts":
+            continue
+        step = lambda o, key=key: (*key[:4], o, *key[5:])  # noqa: E731  (the same step's other outputs)
+        ids = dump["tensors"][step("router.topk_ids")].long()
+        mlp_out = dump["tensors"][step("mlp.out")].reshape(ids.shape[0], -1)
+        hidden = mlp_out.shape[1]
+        assert rows.shape == (ids.shape[0] * topk, hidden + 3), (key, rows.shape)
+        expert, token, slot = rows[:, hidden:].long().unbind(1)
+        assert torch.equal(torch.bincount(token, minlength=ids.shape[0]), torch.full((ids.shape[0],), topk)), key
+        assert torch.equal(ids[token, slot], expert), key
+        shared = dump["tensors"].get(step("mlp.shared"))
+        want = mlp_out - (shared.reshape(mlp_out.shape) if shared is not None else 0)
+        summed = torch.zeros_like(mlp_out).index_add_(0, token, rows[:, :hidden])
+        torch.testing.assert_close(summed, want, rtol=1e-5, atol=1e-6)
+        checked += 1
+    return checked
+
+
+def without_rank_1(res: dict) -> dict:
+    """A layout run's store dump with rank 1's spool left out."""
     work = res["work"]
     spool = os.path.join(work, "partial", "spool")
     shutil.copytree(res["spool"], spool)
     shutil.rmtree(os.path.join(spool, "rank-00001"))
-    dump = runner.dump_store(os.path.join(work, "partial"), os.path.join(work, "partial.pt"))
+    return runner.dump_store(os.path.join(work, "partial"), os.path.join(work, "partial.pt"))
+
+
+def test_missing_rank_is_refused_and_named(tmp_path_factory):
+    """Delete rank 1's spool of the TP=2 run, load the rest: the reader refuses attention tensors
+    (rank 1 held half of the heads) and says which shard and rank are missing."""
+    res = _run("tp2", BY_NAME["tp2"], tmp_path_factory)
+    dump = without_rank_1(res)
     errors = {k: v for k, v in dump["errors"].items() if k[4] == "attn.context"}
     assert len(errors) == len([k for k in res["dump"]["tensors"] if k[4] == "attn.context"])
     msg = next(iter(errors.values()))
     assert "shard(s) [1] of 2 missing" in msg and "rank(s) 0" in msg, msg
+
+
+def test_missing_expert_rank_is_refused(tmp_path_factory):
+    """Delete rank 1's spool of the EP=2 allgather run: rank 0's own tokens had rows on rank 1's
+    experts, so the reader refuses its mlp.experts instead of returning a token's rows in part."""
+    res = _run("ep2_allgather", BY_NAME["ep2_allgather"], tmp_path_factory)
+    dump = without_rank_1(res)
+    errors = {k: v for k, v in dump["errors"].items() if k[4] == "mlp.experts"}
+    assert errors and not any(k[4] == "mlp.experts" for k in dump["tensors"]), dump["errors"]
+    msg = next(iter(errors.values()))
+    assert "the records of a rank of the expert group are missing" in msg, msg

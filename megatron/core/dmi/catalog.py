@@ -13,7 +13,7 @@ from typing import Literal
 
 from megatron.core.dmi.errors import DMIError
 
-Combine = Literal["concat", "sum", "topk", "log_softmax"]
+Combine = Literal["concat", "sum", "topk", "log_softmax", "rows"]
 # Which transformer layers record an output: every layer, MoE layers only, MoE layers with a shared
 # expert, or the model's last layer.
 Scope = Literal["layer", "moe_layer", "shared_expert_layer", "last_layer"]
@@ -23,8 +23,11 @@ Scope = Literal["layer", "moe_layer", "shared_expert_layer", "last_layer"]
 # - "tensor": every TP rank publishes its shard along ``shard_dim`` (attention heads);
 # - "replicated": every TP rank holds the same full rows (the loss, computed after the vocabulary
 #   all-reduces): TP rank 0 publishes them, sequence parallel or not;
-# - "one": a replicated value (a weight) published by TP rank 0 of data-parallel rank 0 only.
-Producers = Literal["sequence", "tensor", "replicated", "one"]
+# - "one": a replicated value (a weight) published by TP rank 0 of data-parallel rank 0 only;
+# - "every": every rank publishes its own rows (the routed experts' rows: no rank repeats another's).
+Producers = Literal["sequence", "tensor", "replicated", "one", "every"]
+# The columns of an mlp.experts record after the hidden vector, in order ([rows, h + 5] fp32).
+EXPERT_ROW_FIELDS = ("expert", "source_rank", "source_token", "source_tokens", "probability")
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,9 @@ class HookOutput:
     doc: str
     # How the records of one (iteration, microbatch, layer, output) combine into the full tensor:
     # "concat" places each record at [token_start, token_end) along dim 0 and at shard_index along
-    # shard_dim; "sum" adds records (counts taken over disjoint token shards).
+    # shard_dim; "sum" adds records (counts taken over disjoint token shards); "topk"/"log_softmax"
+    # merge vocabulary shards; "rows" gathers a data-parallel rank's rows from every rank's record
+    # (reader.reconstruct.rebuild_expert_rows).
     combine: Combine = "concat"
     shard_dim: int | None = None
     opt_in: bool = False  # captured only when named explicitly (or with "all")
@@ -242,18 +247,23 @@ OUTPUTS: tuple[HookOutput, ...] = (
     HookOutput(
         "mlp.experts",
         "mlp",
-        "[rows, h + 3]",
+        "[rows, h + 5]",
         "fp32",
-        "Every row the routed experts computed (named explicitly only: up to tokens x k rows per microbatch), "
-        "in the dispatcher's order (by expert, tokens ascending), the token range of the record counting rows. "
-        "Columns 0..h-1: the expert's output, upcast exactly, with the routing probability already applied "
-        "(a token's rows sum to mlp.out minus mlp.shared, see Conventions); then the expert id, the token index (the row of "
-        "router.logits) and the top-k slot (router.topk_ids[token, slot] is the expert). Allgather dispatcher, "
-        "one tensor/expert-parallel rank and no capacity factor only.",
+        "Every row the routed experts of a rank computed (named explicitly only: tokens x k rows per microbatch "
+        "over the ranks), in the dispatcher's order (by expert, tokens ascending). Columns 0..h-1: the expert's "
+        "output, upcast exactly, with the routing probability already applied (a partial sum under expert tensor "
+        "parallelism); then the expert id, the global rank whose token it is, the token's index there, that rank's "
+        "token count and the routing probability. The reader rebuilds a data-parallel rank's rows from every rank "
+        "of its expert group as [rows, h + 3]: the row (ETP partials added), the expert id, the token index (the "
+        "row of router.logits) and the top-k slot (router.topk_ids[token, slot] is the expert); a token's rows sum "
+        "to mlp.out minus mlp.shared (see Conventions). Allgather dispatcher and no capacity factor only.",
+        combine="rows",
         opt_in=True,
         in_all=False,
         scope="moe_layer",
-        local_shape=lambda m: ((m.router_tokens * m.topk, m.hidden + 3), 4),
+        producers="every",
+        # the mean over ranks of one expert group (EP ranks split the rows; ETP ranks each hold all of theirs)
+        local_shape=lambda m: ((m.router_tokens * m.topk, m.hidden + 5), 4),
     ),
     HookOutput(
         "loss.token",
@@ -374,7 +384,7 @@ def producers_per_replica(output: str, tp: int, sequence_parallel: bool, dp_rank
         return 1 if dp_rank0 else 0
     if producers == "replicated":
         return 1
-    if producers == "tensor" or (sequence_parallel and tp > 1):
+    if producers in ("tensor", "every") or (sequence_parallel and tp > 1):
         return tp
     return 1
 
@@ -437,8 +447,7 @@ def check_graph_support(hooks: frozenset[str]) -> None:
 def experts_unsupported(
     dispatcher_type: str,
     tensor_parallel: int,
-    expert_parallel: int,
-    expert_tensor_parallel: int | None,
+    sequence_parallel: bool,
     capacity_factor: float | None,
     latent_size: int | None,
 ) -> tuple[str, str] | None:
@@ -447,8 +456,7 @@ def experts_unsupported(
     Args:
         dispatcher_type: ``--moe-token-dispatcher-type``.
         tensor_parallel: ``--tensor-model-parallel-size``.
-        expert_parallel: ``--expert-model-parallel-size``.
-        expert_tensor_parallel: ``--expert-tensor-parallel-size`` (None: not set).
+        sequence_parallel: ``--sequence-parallel``.
         capacity_factor: ``--moe-expert-capacity-factor`` (None: no token dropping).
         latent_size: ``--moe-latent-size`` (None: experts work in the hidden size).
 
@@ -457,15 +465,12 @@ def experts_unsupported(
     """
     if dispatcher_type != "allgather":
         return "--moe-token-dispatcher-type", "mlp.experts needs the allgather token dispatcher"
-    if tensor_parallel > 1 or expert_parallel > 1 or (expert_tensor_parallel or 1) > 1:
-        flag = (
-            "--tensor-model-parallel-size"
-            if tensor_parallel > 1
-            else "--expert-model-parallel-size"
-            if expert_parallel > 1
-            else "--expert-tensor-parallel-size"
+    if tensor_parallel > 1 and not sequence_parallel:
+        return (
+            "--sequence-parallel",
+            "mlp.experts needs sequence parallelism with tensor parallelism (without it the dispatcher gathers "
+            "copies of the same tokens from the TP ranks)",
         )
-        return flag, "mlp.experts is verified with one tensor-, expert- and expert-tensor-parallel rank only"
     if capacity_factor is not None:
         return (
             "--moe-expert-capacity-factor",
@@ -486,6 +491,7 @@ _PUBLISHED_BY = {
     "tensor": "every TP rank",
     "replicated": "TP rank 0",
     "one": "TP rank 0 of DP rank 0",
+    "every": "every rank (its own experts' rows)",
 }
 _SCOPE = {
     "layer": "every layer",
@@ -512,6 +518,7 @@ _COMBINE_TEXT = {
     "sum": "sum over token shards",
     "topk": "top-k of the vocabulary shards' union",
     "log_softmax": "log-softmax merged from the vocabulary shards' partials",
+    "rows": "a DP rank's rows gathered from its expert group's records, ETP partials added",
 }
 
 # Reference models for the sizes table of docs/hooks.md: the functional tests' tiny MoE (fp32) and a

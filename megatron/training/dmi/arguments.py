@@ -186,8 +186,7 @@ def check_dmi_layout(args: argparse.Namespace) -> None:
         why = experts_unsupported(
             args.moe_token_dispatcher_type,
             args.tensor_model_parallel_size,
-            args.expert_model_parallel_size,
-            args.expert_tensor_parallel_size,
+            bool(args.sequence_parallel),
             args.moe_expert_capacity_factor,
             getattr(args, "moe_latent_size", None),
         )

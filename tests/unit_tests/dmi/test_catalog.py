@@ -140,7 +140,8 @@ def test_logits_and_loss_shapes():
     assert catalog.BY_NAME["logits.topk"].local_shape(m)[0] == (32, 2, 5, 2)  # the full sequence under SP
     assert catalog.BY_NAME["logits.target"].local_shape(m)[0] == (32, 2, 3)
     assert catalog.BY_NAME["logits.full"].local_shape(m)[0] == (32, 2, 128)  # vocabulary shard
-    assert catalog.BY_NAME["mlp.experts"].local_shape(m) == ((16 * 2 * 2, 64 + 3), 4)  # every local route, fp32
+    assert catalog.BY_NAME["mlp.experts"].local_shape(m) == ((16 * 2 * 2, 64 + 5), 4)  # every local route, fp32
+    assert catalog.producers_per_replica("mlp.experts", 2, True) == 2  # every rank its own rows
     assert catalog.BY_NAME["loss.token"].local_shape(m)[0] == (32, 2, 2)
     assert catalog.producers_per_replica("loss.token", 2, True) == 1
     assert catalog.producers_per_replica("logits.topk", 2, True) == 2
@@ -150,14 +151,13 @@ def test_logits_and_loss_shapes():
 @pytest.mark.parametrize(
     "config,flag",
     [
-        (("alltoall", 1, 1, None, None, None), "--moe-token-dispatcher-type"),
-        (("allgather", 2, 1, None, None, None), "--tensor-model-parallel-size"),
-        (("allgather", 1, 2, None, None, None), "--expert-model-parallel-size"),
-        (("allgather", 1, 1, 2, None, None), "--expert-tensor-parallel-size"),
-        (("allgather", 1, 1, 1, 1.0, None), "--moe-expert-capacity-factor"),
-        (("allgather", 1, 1, 1, None, 16), "--moe-latent-size"),
+        (("alltoall", 1, False, None, None), "--moe-token-dispatcher-type"),
+        (("allgather", 2, False, None, None), "--sequence-parallel"),
+        (("allgather", 1, False, 1.0, None), "--moe-expert-capacity-factor"),
+        (("allgather", 1, False, None, 16), "--moe-latent-size"),
     ],
 )
 def test_expert_rows_refusals_name_the_flag(config, flag):
     assert catalog.experts_unsupported(*config)[0] == flag
-    assert catalog.experts_unsupported("allgather", 1, 1, None, None, None) is None
+    assert catalog.experts_unsupported("allgather", 1, False, None, None) is None
+    assert catalog.experts_unsupported("allgather", 2, True, None, None) is None  # TP with SP, any EP/ETP

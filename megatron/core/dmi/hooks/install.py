@@ -243,22 +243,20 @@ def _mlp_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) 
         hooks._handles.append(shared_experts.register_forward_hook(shared_hook))
     experts = getattr(module.mlp, "experts", None)
     if "mlp.experts" in hooks.capture.config.hooks and experts is not None:
-        _watch_experts(hooks, module, experts, coords, shards)
+        _watch_experts(hooks, module, experts, coords)
     hooks.layers.setdefault(layer, []).append("mlp")
 
 
-def _watch_experts(
-    hooks: HookSet, module: TransformerLayer, experts: torch.nn.Module, coords: ParallelCoords, shards: TokenShards
-) -> None:
-    """mlp.experts from the experts module's output; a firing with no rows still publishes its
-    empty record, so the record counts do not depend on the routing."""
+def _watch_experts(hooks: HookSet, module: TransformerLayer, experts: torch.nn.Module, coords: ParallelCoords) -> None:
+    """mlp.experts from the experts module's output: every rank publishes its own experts' rows (they
+    are not replicated anywhere); a firing with no rows still publishes its empty record, so the
+    record counts do not depend on the routing."""
     config = module.config
     dispatcher = module.mlp.token_dispatcher
     why = catalog.experts_unsupported(
         "allgather" if isinstance(dispatcher, MoEAllGatherTokenDispatcher) else config.moe_token_dispatcher_type,
         tp_size(),
-        config.expert_model_parallel_size,
-        config.expert_tensor_parallel_size,
+        bool(config.sequence_parallel),
         config.moe_expert_capacity_factor,
         getattr(config, "moe_latent_size", None),
     )
@@ -267,16 +265,22 @@ def _watch_experts(
     layer = module.layer_number - 1
     capture = hooks.capture
     first_expert = dispatcher.local_expert_indices[0]
+    group = dispatcher.tp_ep_group
+    if torch.distributed.is_initialized() and group is not None:
+        group_ranks = torch.distributed.get_process_group_ranks(group)
+    else:
+        group_ranks = [coords.rank]
+    where_shard = group_ranks.index(coords.rank)
 
     def hook(experts, args, output):
         if capture.idle or not capture.wants("mlp.experts", layer):
             return
         rows = output[0] if isinstance(output, tuple) else output
         with torch.no_grad():
-            record = expert_capture.expert_rows(
-                rows, dispatcher.local_map, args[2], first_expert, config.moe_router_topk
-            )
-        _publish_sequence(hooks, layer, coords, shards, {"mlp.experts": record})
+            record = expert_capture.expert_rows(rows, dispatcher.local_map, args[2], first_expert, group_ranks)
+            n = record.shape[0]
+            where = Placement(0, n, n, where_shard, len(group_ranks))
+            capture.publish_all(layer, coords, where, {"mlp.experts": record})
 
     hooks._handles.append(experts.register_forward_hook(hook))
 

@@ -1,5 +1,7 @@
 """The reader's errors, importable without torch (the CLI catches them on every command)."""
 
+from collections.abc import Sequence
+
 from megatron.core.dmi.errors import DMIError
 
 
@@ -23,3 +25,16 @@ class AmbiguousLayerError(StoreError):
     def message(self, argument: str) -> str:
         """The error text naming how the caller chooses a layer (``layer=``; ``--layer`` in the CLI)."""
         return f"{self.output} at iteration {self.iteration} has layers {self.layers}: pass {argument}"
+
+
+def format_ranges(xs: Sequence[int]) -> str:
+    """Integers as compact ranges for messages: ``[0, 1, 2, 5]`` -> ``"0-2,5"`` (``"-"`` for none)."""
+    xs = sorted(set(xs))
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out) or "-"

@@ -11,6 +11,9 @@ layer, output, invocation), following the catalog's combine rule.
   shards under tensor parallelism); the shards merge instead of concatenating: ``topk`` takes the
   k largest (value, id) pairs of their union (``logits.topk``), ``log_softmax`` combines each
   shard's (max, sum of exp, label logit) into the label's log-probability (``logits.target``).
+- ``rows`` (``mlp.experts``): every rank of an expert group holds rows of other ranks' tokens, so a
+  data-parallel rank's rows are gathered from every record by the rank each row names
+  (``rebuild_expert_rows``).
 
 Records with equal (token range, shard index) are duplicates: identical ones (replicated producers,
 e.g. TP ranks routing the same tokens) are kept once, differing ones are an error.
@@ -25,7 +28,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from megatron.core.dmi import catalog
-from megatron.core.dmi.reader.errors import ReconstructionError
+from megatron.core.dmi.reader.errors import ReconstructionError, format_ranges
 from megatron.core.dmi.records import Record
 
 
@@ -182,3 +185,63 @@ def merge_log_softmax(shards: list[torch.Tensor]) -> torch.Tensor:
 
 
 _MERGES = {"topk": merge_topk, "log_softmax": merge_log_softmax}
+
+
+def rebuild_expert_rows(
+    records: Sequence[Record], sources: dict[int, tuple[int, int]], dp: int, what: str = "mlp.experts"
+) -> torch.Tensor:
+    """The ``mlp.experts`` rows of data-parallel rank ``dp``: [rows, h + 3] fp32, by expert then token.
+
+    Args:
+        records: one (iteration, microbatch, layer)'s records from every rank (hooks.experts' columns).
+        sources: global rank -> (data-parallel rank, tensor-parallel rank), from the topology table.
+        dp: the data-parallel rank whose tokens to rebuild.
+        what: names the tensor in errors.
+
+    Returns:
+        Columns 0..h-1 the row (the partial rows of expert-tensor-parallel ranks added in their group
+        order), then the expert id, the token index in the rank's router.logits order (sequence
+        parallel shards in TP order) and the top-k slot: the row's place among its token's rows by
+        probability, the lower expert first on ties (router.topk_ids' order).
+
+    Raises:
+        ReconstructionError: a row names a rank the topology does not know, or the tokens do not all
+            have the same number of rows (a rank's records are missing).
+    """
+    fields = len(catalog.EXPERT_ROW_FIELDS)
+    tables = [r.tensor() for r in sorted(records, key=lambda r: (r.key.shard_index, r.key.coords.rank))]
+    rows = torch.cat(tables) if tables else torch.zeros(0, fields)
+    hidden = rows.shape[1] - fields
+    expert, source, token, per_source = rows[:, hidden : hidden + 4].long().unbind(1)
+    unknown = set(source.unique().tolist()) - set(sources)
+    if unknown:
+        raise ReconstructionError(
+            f"{what}: rows name rank(s) {sorted(unknown)} that the topology does not list: the records of a rank of "
+            "the expert group are missing"
+        )
+    lookup = torch.full((max(sources, default=0) + 1, 2), -1, dtype=torch.long)
+    for rank, coords in sources.items():
+        lookup[rank] = torch.tensor(coords)
+    mine = lookup[source, 0] == dp
+    rows, expert, per_source = rows[mine], expert[mine], per_source[mine]
+    token = lookup[source[mine], 1] * per_source + token[mine]
+    tokens = int(token.max()) + 1 if token.numel() else 0
+    # one output row per (expert, token): ETP ranks' partials added, in record order
+    key, inverse = torch.unique(expert * tokens + token, return_inverse=True)
+    out = torch.zeros(key.numel(), hidden, dtype=torch.float32).index_add_(0, inverse, rows[:, :hidden])
+    prob = torch.zeros(key.numel(), dtype=torch.float32).scatter_(0, inverse, rows[:, hidden + 4])
+    expert, token = key // max(tokens, 1), key % max(tokens, 1)
+    per_token = torch.bincount(token, minlength=tokens)
+    if per_token.numel() and (per_token != per_token[0]).any():
+        short = (per_token != per_token.max()).nonzero().flatten()
+        raise ReconstructionError(
+            f"{what}: dp {dp}: token(s) {format_ranges(short.tolist())} of {tokens} have fewer rows than the others "
+            f"({per_token.max().item()}): the records of a rank of the expert group are missing"
+        )
+    # slot: by token, then probability descending, then expert (stable sorts, last key first)
+    order = torch.arange(key.numel())
+    order = order[torch.sort(prob[order], descending=True, stable=True).indices]
+    order = order[torch.sort(token[order], stable=True).indices]
+    slot = torch.empty_like(token)
+    slot[order] = torch.arange(key.numel()) % max(int(per_token.max()) if per_token.numel() else 1, 1)
+    return torch.cat([out, torch.stack([expert, token, slot], dim=1).float()], dim=1)

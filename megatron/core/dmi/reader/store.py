@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 import pyarrow as pa
 
+from megatron.core.dmi import catalog
 from megatron.core.dmi.key import RecordKey
-from megatron.core.dmi.reader.errors import AmbiguousLayerError, ReconstructionError, StoreError
+from megatron.core.dmi.reader.errors import AmbiguousLayerError, ReconstructionError, StoreError, format_ranges
 from megatron.core.dmi.reader.snapshot import ReaderSnapshot, SnapshotStats, link_spool, link_store
 from megatron.core.dmi.records import TENSOR_SCHEMA, Record
 from megatron.core.dmi.sinks import schema as S
@@ -80,7 +81,7 @@ class RunDescription:
         for phase, its in self.iterations.items():
             if its:
                 lines.append(f"  {phase}: {len(its)} iteration(s) {its[0]}..{its[-1]}")
-        lines.append(f"  layers: {_ranges(self.layers)}")
+        lines.append(f"  layers: {format_ranges(self.layers)}")
         if self.layout:
             order = {k: i for i, k in enumerate(_LAYOUT_ORDER)}
             lines.append(
@@ -118,18 +119,6 @@ def _json_or_empty(text: str | None) -> dict:
         return json.loads(text) if text else {}
     except ValueError:  # a damaged row must not stop describe
         return {}
-
-
-def _ranges(xs: Sequence[int]) -> str:
-    xs = sorted(set(xs))
-    out, i = [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
-        i = j + 1
-    return ",".join(out) or "-"
 
 
 def resolve_store_dir(path: str) -> tuple[str, str]:
@@ -428,17 +417,18 @@ class Store:
         microbatch: int = 0,
         layer: int | None = None,
         phase: str = "train",
-        dp: int = 0,
+        dp: int | None = 0,
         invocation: int = 0,
     ) -> list[Record]:
-        """The stored shards of one tensor (checksums verified), from the visible attempt."""
+        """The stored shards of one tensor (checksums verified), from the visible attempt; ``dp=None``:
+        those of every data-parallel rank."""
         vis = self.visible_attempts(run_id)
         attempt = vis.get((phase, int(iteration)))
         if attempt is None:
             its = sorted(i for p, i in vis if p == phase)
             raise StoreError(
                 f"run {run_id!r} has no {phase} records at iteration {iteration}"
-                + (f" (captured: {_ranges(its)})" if its else "")
+                + (f" (captured: {format_ranges(its)})" if its else "")
             )
         params = {
             "run": run_id,
@@ -448,12 +438,14 @@ class Store:
             "mb": int(microbatch),
             "inv": int(invocation),
             "att": int(attempt),
-            "dp": int(dp),
         }
         where = (
             "run_id = {run:String} AND phase = {phase:String} AND output = {output:String} AND iteration = {it:Int64} "
-            "AND microbatch = {mb:Int32} AND invocation = {inv:Int8} AND attempt = {att:Int32} AND dp = {dp:Int32}"
+            "AND microbatch = {mb:Int32} AND invocation = {inv:Int8} AND attempt = {att:Int32}"
         )
+        if dp is not None:
+            params["dp"] = int(dp)
+            where += " AND dp = {dp:Int32}"
         if layer is None:
             layers = (
                 self.sql(f"SELECT DISTINCT layer FROM {self.t('tensors')} WHERE {where} ORDER BY layer", params)
@@ -461,7 +453,7 @@ class Store:
                 .to_pylist()
             )
             if len(layers) != 1:
-                raise AmbiguousLayerError(output, iteration, _ranges(layers) if layers else "none")
+                raise AmbiguousLayerError(output, iteration, format_ranges(layers) if layers else "none")
             layer = layers[0]
         params["layer"] = int(layer)
         table = self.sql(
@@ -498,12 +490,18 @@ class Store:
     ) -> torch.Tensor:
         """The full tensor rebuilt from every TP/SP/EP/CP/PP shard (see reconstruct.py for the rules).
         Raises ReconstructionError on a gap, an overlap or conflicting duplicates."""
-        recs = self.records(run_id, output, iteration, microbatch, layer, phase, dp, invocation)
+        rows = catalog.BY_NAME[output].combine == "rows" if output in catalog.BY_NAME else False
+        # an expert group's ranks hold each other's tokens' rows: read every data-parallel rank's records
+        recs = self.records(run_id, output, iteration, microbatch, layer, phase, None if rows else dp, invocation)
         what = f"{output} run {run_id} {phase} iteration {iteration} microbatch {microbatch} layer {recs[0].key.layer if recs else layer}"
         if not recs:
             raise ReconstructionError(f"{what}: no records (dp {dp}, invocation {invocation})")
-        from megatron.core.dmi.reader.reconstruct import reconstruct
+        from megatron.core.dmi.reader.reconstruct import rebuild_expert_rows, reconstruct
 
+        if rows:
+            topo = self.topology(run_id, recs[0].key.attempt)
+            sources = {int(r["rank"]): (int(r["dp"]), int(r["tp"])) for _, r in topo.iterrows()}
+            return rebuild_expert_rows(recs, sources, dp, what)
         return reconstruct(recs, output, what=what, expected_ranks=self._expected_ranks(run_id, recs))
 
     def _expected_ranks(self, run_id: str, recs: list[Record]) -> dict[int, list[int]] | None:

@@ -7,7 +7,7 @@ import torch
 
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.hooks import HookSet
-from megatron.core.dmi.reader.reconstruct import reconstruct
+from megatron.core.dmi.reader.reconstruct import rebuild_expert_rows
 from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, EXPERTS, SEQ, TOPK, bits, capture_for, tiny_gpt, tokens
 from tests.unit_tests.dmi.test_capture_replay import RECOMPUTE, train_step
 
@@ -41,13 +41,24 @@ def capture_experts(model, hooks="mlp.experts,mlp.out,router"):
     return {(r.key.layer, r.key.output): r for r in capture.transport.take(100, 0)}, seen
 
 
+def rebuilt(records, layer):
+    """The reader's [rows, h + 3] view of one layer's record (one process: rank 0, dp 0, tp 0)."""
+    return rebuild_expert_rows([records[(layer, "mlp.experts")]], {0: (0, 0)}, 0)
+
+
 def test_rows_match_a_plain_hook_and_name_their_token_and_slot(megatron_cpu):
     records, seen = capture_experts(tiny_gpt())
     for layer in (0, 1):
-        record = records[(layer, "mlp.experts")].tensor()
+        stored = records[(layer, "mlp.experts")].tensor()
         rows, routing_map, probs = seen[layer]["rows"], seen[layer]["map"], seen[layer]["probs"]
+        assert stored.shape == (SEQ * BATCH * TOPK, HIDDEN + 5)
+        expert, source, token, per_source = stored[:, HIDDEN : HIDDEN + 4].long().unbind(1)
+        assert (source == 0).all() and (per_source == SEQ * BATCH).all()
+        assert torch.equal(stored[:, HIDDEN + 4], probs[token, expert])
+        record = rebuilt(records, layer)
         assert record.shape == (SEQ * BATCH * TOPK, HIDDEN + 3)
         assert torch.equal(bits(record[:, :HIDDEN]), bits(rows))
+        assert torch.equal(bits(stored[:, :HIDDEN]), bits(rows))
         expert, token, slot = record[:, HIDDEN:].long().unbind(1)
         # one row per (token, chosen expert), by expert then token, as the router chose them
         chosen = torch.zeros_like(routing_map)
@@ -68,11 +79,11 @@ def test_rows_rebuild_mlp_out(megatron_cpu):
     model = tiny_gpt()
     records, seen = capture_experts(model)
     for layer in (0, 1):
-        record = records[(layer, "mlp.experts")].tensor()
+        record = rebuilt(records, layer)
         expert, token, slot = record[:, HIDDEN:].long().unbind(1)
-        rebuilt = torch.zeros(SEQ * BATCH, HIDDEN).index_add_(0, token, record[:, :HIDDEN])
+        summed = torch.zeros(SEQ * BATCH, HIDDEN).index_add_(0, token, record[:, :HIDDEN])
         mlp_out = records[(layer, "mlp.out")].tensor().reshape(-1, HIDDEN)
-        assert torch.equal(bits(rebuilt), bits(mlp_out))
+        assert torch.equal(bits(summed), bits(mlp_out))
         weights = records[(layer, "router.topk_probs")].tensor()[token, slot]
         local_experts = model.decoder.layers[layer].mlp.experts.local_experts
         with torch.no_grad():
@@ -87,7 +98,7 @@ def test_rows_rebuild_mlp_out(megatron_cpu):
 
 
 def test_one_record_per_moe_layer_and_microbatch_even_without_rows(megatron_cpu):
-    """Records do not depend on the routing: experts that get no rows still publish a [0, h + 3] record."""
+    """Records do not depend on the routing: experts that get no rows still publish a [0, h + 5] record."""
     model = tiny_gpt()
     capture = capture_for("mlp.experts")
     HookSet(capture).attach(model)
@@ -103,9 +114,9 @@ def test_one_record_per_moe_layer_and_microbatch_even_without_rows(megatron_cpu)
     with torch.no_grad():
         moe.experts(torch.zeros(0, HIDDEN), torch.zeros(EXPERTS, dtype=torch.long), torch.zeros(0))
     (empty,) = capture.transport.take(100, 0)
-    assert (empty.key.microbatch, empty.key.layer, empty.key.shape) == (3, 0, (0, HIDDEN + 3))
+    assert (empty.key.microbatch, empty.key.layer, empty.key.shape) == (3, 0, (0, HIDDEN + 5))
     assert (empty.key.token_start, empty.key.token_end, empty.key.token_total) == (0, 0, 0)
-    assert reconstruct([empty]).shape == (0, HIDDEN + 3)  # the reader takes it as an empty tensor
+    assert rebuild_expert_rows([empty], {0: (0, 0)}, 0).shape == (0, HIDDEN + 3)  # the reader: an empty tensor
 
 
 def test_unsupported_configuration_is_refused_at_attach(megatron_cpu):
