@@ -104,6 +104,16 @@ class Layout:
         return flag in self.full_args()
 
 
+# TP=2 with SP and EP=2 (ETP=1) on 4 processes, with either dispatcher
+_TP2_SP_EP2 = (
+    "--tensor-model-parallel-size",
+    "2",
+    "--sequence-parallel",
+    "--expert-model-parallel-size",
+    "2",
+    "--expert-tensor-parallel-size",
+    "1",
+)
 LAYOUTS = [
     # megatron-core 0.17.1 refuses to train MoE with TP > 1 and no sequence parallelism (moe_layer.py
     # raises ValueError), so TP without SP is a dense model (attention hooks only).
@@ -118,33 +128,9 @@ LAYOUTS = [
         4,
         ("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2", "--global-batch-size", "8"),
     ),  # alltoall + ETP gathers uneven tensors: NCCL only, not gloo
-    Layout(
-        "tp2_sp_ep2",
-        4,
-        (
-            "--tensor-model-parallel-size",
-            "2",
-            "--sequence-parallel",
-            "--expert-model-parallel-size",
-            "2",
-            "--expert-tensor-parallel-size",
-            "1",
-        ),
-        dispatcher="alltoall",
-    ),
-    Layout(
-        "tp2_sp_ep2_allgather",
-        4,
-        (
-            "--tensor-model-parallel-size",
-            "2",
-            "--sequence-parallel",
-            "--expert-model-parallel-size",
-            "2",
-            "--expert-tensor-parallel-size",
-            "1",
-        ),
-    ),  # mlp.experts: tokens of both TP shards and both EP ranks in one expert group
+    Layout("tp2_sp_ep2", 4, _TP2_SP_EP2, dispatcher="alltoall"),
+    # mlp.experts: one expert group holds the tokens of both TP shards and both EP ranks
+    Layout("tp2_sp_ep2_allgather", 4, _TP2_SP_EP2),
     Layout("pp2", 2, ("--pipeline-model-parallel-size", "2")),
     Layout(
         "pp2_vpp2",
