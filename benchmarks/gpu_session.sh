@@ -10,11 +10,8 @@ set -uo pipefail
 MODE=${1:-quick}
 OUT=${OUT:-/tmp/out}
 cd "$(dirname "$0")/.."
-# one pip call: --target replaces, not merges, a top-level folder (megatron/) installed earlier
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .whl/*.whl . || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 NCCL_ALGO=Ring CUBLAS_WORKSPACE_CONFIG=:4096:8
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $OUT/gpu.txt
+source scripts/h200_env.sh
+export NCCL_ALGO=Ring CUBLAS_WORKSPACE_CONFIG=:4096:8
 source examples/tiny_moe_args.sh
 if [ "$MODE" = bench ]; then  # the benchmark alone
   timeout ${BENCH_TIMEOUT:-480} python3 benchmarks/overhead.py --out $OUT/overhead_h200.json ${BENCH_ARGS:-} > $OUT/bench.log 2>&1

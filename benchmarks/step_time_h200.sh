@@ -16,11 +16,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 cd "$(dirname "$0")/.."
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site \
-  .whl/*.whl .whl-chdb/*.whl . || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $OUT/gpu.txt
+source scripts/h200_env.sh .whl-chdb/*.whl
 python3 -c "import chdb; print('chdb', chdb.__version__, chdb.engine_version if hasattr(chdb, 'engine_version') else '')" 2>&1 | tee -a $OUT/gpu.txt
 python3 -m megatron.core.dmi doctor --build > $OUT/doctor.log 2>&1; grep -E "chdb|jit build" $OUT/doctor.log
 W=/tmp/step_time; rm -rf $W; mkdir -p $W

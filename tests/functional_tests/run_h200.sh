@@ -10,10 +10,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 cd "$(dirname "$0")/../.."
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .whl/*.whl . || exit 1
+source scripts/h200_env.sh
 # --deterministic-mode needs NCCL_ALGO set (megatron asserts it) and a cuBLAS workspace config
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_ALGO=Ring
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $OUT/gpu.txt
+export CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_ALGO=Ring
 rm -rf /tmp/ft_h200 /tmp/ft_h200_repeat
 # FT_CASES="dir ..." runs only those cases; FT_REPEAT=0 skips the same-seed repeat
 CASE_ARGS=(); for c in ${FT_CASES:-}; do CASE_ARGS+=(--case "$c"); done

@@ -12,14 +12,11 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 cd "$(dirname "$0")/../.."
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/site .whl/*.whl . || exit 1
-export PYTHONPATH=/tmp/site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0
-# --deterministic-mode needs NCCL_ALGO set (megatron asserts it) and a cuBLAS workspace config
-export CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_ALGO=Ring
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 W=/tmp/ft_h200_te
 rm -rf $W && mkdir -p $W
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $W/gpu.txt
+GPU_TXT=$W/gpu.txt source scripts/h200_env.sh
+# --deterministic-mode needs NCCL_ALGO set (megatron asserts it) and a cuBLAS workspace config
+export CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_ALGO=Ring
 timeout 90 python3 .te-h200/gpu_check.py > $W/gpu_check.log 2>&1; echo "gpu_check rc=$? $(tail -1 $W/gpu_check.log)"
 timeout 240 python3 -m megatron.core.dmi doctor --build --check-cuda > $W/doctor.log 2>&1; echo "doctor rc=$?"
 grep -E "jit build|transformer|TE" $W/doctor.log | head -5
