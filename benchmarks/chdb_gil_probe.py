@@ -17,6 +17,7 @@ import time
 
 import chdb
 import chdb.session
+from results_json import write_json  # benchmarks/ is the script directory
 
 
 def spin(seconds: float) -> float:
@@ -59,9 +60,7 @@ def main() -> None:
     result["loop_kept_fraction"] = result["loop_during_query_per_s"] / alone
     print(json.dumps(result, indent=1))
     if a.out:
-        with open(a.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
+        write_json(a.out, result)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import sys
 import tempfile
 
 import torch
+from results_json import write_json  # benchmarks/ is the script directory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DUMP = os.path.join(os.path.dirname(HERE), "tests", "functional_tests", "store_dump.py")
@@ -50,8 +51,7 @@ def main(root: str, out: str) -> None:
     for on, off in (("dmi", "off"), ("dmi_recompute", "off"), ("dense_graph_dmi", "dense_graph_off")):
         if os.path.exists(os.path.join(root, f"loss_{on}.txt")):
             result["loss_identical_to_dmi_off_twin"][on] = loss(on) == loss(off) and bool(loss(off).strip())
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(out, result)
     print(json.dumps(result, indent=1))
 
 

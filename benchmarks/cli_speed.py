@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from results_json import write_json  # benchmarks/ is the script directory
+
 HOLDER = r"""
 import sys, time
 from megatron.core.dmi.sinks.backend import ChdbBackend
@@ -142,9 +144,7 @@ def main() -> None:
         )
     print(f"snapshot while held: {snapshot}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

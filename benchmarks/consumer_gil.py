@@ -22,6 +22,7 @@ import threading
 import time
 
 import torch
+from results_json import write_json  # benchmarks/ is the script directory
 
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.key import ParallelCoords, RecordKey
@@ -102,8 +103,7 @@ def main() -> None:
     }
     print("medians:", json.dumps(summary))
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"passes": rows, "medians": summary}, f, indent=1)
+        write_json(a.json, {"passes": rows, "medians": summary})
 
 
 if __name__ == "__main__":

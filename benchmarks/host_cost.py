@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import socket
@@ -36,6 +35,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from results_json import write_json  # benchmarks/ is the script directory
 
 from megatron.core import parallel_state as ps
 from megatron.core.dmi import cpu_mode
@@ -191,8 +191,7 @@ def main() -> None:
         print(f"{key:<32}{s['median']:>12.1f}{s['p10']:>10.1f}{s['p90']:>10.1f}{s['firings']:>9}")
     print(f"device: {out['device']}")
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(a.out, out)
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

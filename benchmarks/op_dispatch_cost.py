@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+from results_json import write_json  # benchmarks/ is the script directory
 
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.key import ParallelCoords, RecordKey
@@ -89,9 +90,7 @@ def main() -> None:
     }
     print(json.dumps(out, indent=1))
     if a.out:
-        with open(a.out, "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1)
-            f.write("\n")
+        write_json(a.out, out)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import collections
 import contextlib
 import gc
 import gzip
-import json
 import os
 import resource
 import shutil
@@ -50,6 +49,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
+from results_json import write_json  # benchmarks/ is the script directory
 from torch.autograd import DeviceType
 
 from megatron.core import parallel_state as ps
@@ -663,8 +663,7 @@ def write_result(a, times: dict, totals: dict, extra: dict) -> dict:
                 flush=True,
             )
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(a.out, result)
     return result
 
 

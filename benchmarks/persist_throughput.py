@@ -22,7 +22,6 @@ inserted ``--copies`` times, each copy under shifted iterations so no row collap
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -33,6 +32,7 @@ import time
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 import torch
+from results_json import write_json  # benchmarks/ is the script directory
 
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.key import ParallelCoords, RecordKey
@@ -128,18 +128,16 @@ def main() -> None:
             if not args.dir:
                 shutil.rmtree(root, ignore_errors=True)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(
-                    {
-                        "host": platform.node(),
-                        "cpus": os.cpu_count(),
-                        "python": platform.python_version(),
-                        "args": vars(args),
-                        **out,
-                    },
-                    f,
-                    indent=2,
-                )
+            write_json(
+                args.json,
+                {
+                    "host": platform.node(),
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "args": vars(args),
+                    **out,
+                },
+            )
         return
     backend = ChdbBackend(os.path.join(root, "store", "chdb"))
     backend.ensure_schema()
@@ -238,19 +236,17 @@ def main() -> None:
             f"{row['ingest_MBps']:11.0f}"
         )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "host": platform.node(),
-                    "cpus": os.cpu_count(),
-                    "python": platform.python_version(),
-                    "args": vars(args),
-                    "summary": summary,
-                    "runs": results,
-                },
-                f,
-                indent=2,
-            )
+        write_json(
+            args.json,
+            {
+                "host": platform.node(),
+                "cpus": os.cpu_count(),
+                "python": platform.python_version(),
+                "args": vars(args),
+                "summary": summary,
+                "runs": results,
+            },
+        )
 
 
 if __name__ == "__main__":

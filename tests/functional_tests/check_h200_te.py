@@ -46,9 +46,9 @@ def _platform(case: str) -> str:
     return "h200_te" if "h200_te" in (runner.load_case(case).get("PLATFORMS") or []) else "h200"
 
 
-def _losses(workdir: str) -> dict[str, str]:
+def _losses(workdir: str) -> dict[int, str]:
     with open(os.path.join(workdir, "train.log"), encoding="utf-8") as f:
-        return {m.group(1): m.group(2) for m in runner._LOSS_RE.finditer(f.read())}
+        return runner.loss_strings(f.read())
 
 
 def _oracle_findings(dump: dict, oracle: dict) -> dict:

@@ -149,8 +149,13 @@ def launch(
     return proc.returncode, log
 
 
+def loss_strings(log: str) -> dict[int, str]:
+    """Iteration -> the lm loss as the log printed it (compare these for bitwise equality)."""
+    return {int(m.group(1)): m.group(2) for m in _LOSS_RE.finditer(log)}
+
+
 def parse_losses(log: str) -> dict[int, float]:
-    return {int(m.group(1)): float(m.group(2)) for m in _LOSS_RE.finditer(log)}
+    return {it: float(loss) for it, loss in loss_strings(log).items()}
 
 
 def dump_store(store_dir: str, out: str, load: str | None = None, timeout: int = 600) -> dict:

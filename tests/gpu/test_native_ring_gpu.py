@@ -44,6 +44,16 @@ def _save(name, data):
         (Path(out) / f"{name}.json").write_text(json.dumps(data, indent=2))
 
 
+def cuda_ring(
+    ring_bytes: int, on_full: str = "block", staging_bytes: int | None = None, block_timeout: float | None = None
+):
+    """A native ring on the GPU (staging sized by the transport unless given; the default block timeout)."""
+    timeout = DMIConfig.block_timeout if block_timeout is None else block_timeout
+    return NativeRingTransport(
+        ring_bytes, on_full, torch.device("cuda"), block_timeout=timeout, staging_bytes=staging_bytes
+    )
+
+
 def key_for(t, iteration=1, output="router.logits", layer=0):
     rows = t.shape[0] if t.dim() else 1
     return RecordKey(
@@ -109,7 +119,7 @@ def test_jit_build_cold_and_cached():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64])
 def test_bitwise_round_trip_against_synchronous_copy(dtype):
-    tr = NativeRingTransport(64 << 20, "block", torch.device("cuda"), block_timeout=DMIConfig.block_timeout)
+    tr = cuda_ring(64 << 20)
     shapes = [(0, 8), (1, 8), (7, 3), (4096, 16), (1 << 20, 3)]
     tensors = [random_bits(s, dtype, i) for i, s in enumerate(shapes)]
     big = random_bits((1025, 3), dtype, 99)
@@ -132,13 +142,7 @@ def test_bitwise_round_trip_against_synchronous_copy(dtype):
 
 
 def test_drop_mode_counts_exactly_and_wraps():
-    tr = NativeRingTransport(
-        4 * SLOT_ALIGN,
-        "drop",
-        torch.device("cuda"),
-        staging_bytes=4 * SLOT_ALIGN,
-        block_timeout=DMIConfig.block_timeout,
-    )
+    tr = cuda_ring(4 * SLOT_ALIGN, "drop", staging_bytes=4 * SLOT_ALIGN)
     t = [torch.full((64,), float(i), device="cuda") for i in range(12)]
     for i in range(4):
         tr.publish(key_for(t[i], i), t[i])
@@ -166,7 +170,7 @@ def test_drop_mode_counts_exactly_and_wraps():
 def test_group_publish_round_trip_in_order_with_its_own_firings():
     """publish_firings: up to 8 records per pair of launches (10 here: a group of 8, then 2),
     each with its own site and step fields, bitwise like a synchronous copy."""
-    tr = NativeRingTransport(64 << 20, "block", torch.device("cuda"), block_timeout=DMIConfig.block_timeout)
+    tr = cuda_ring(64 << 20)
     dtypes = [torch.float32, torch.bfloat16, torch.int32, torch.float16, torch.int64]
     tensors = [random_bits((37 * i + 1, 5), dtypes[i % 5], 100 + i) for i in range(8)]
     tensors.append(torch.empty((0, 3), device="cuda"))  # zero bytes
@@ -185,13 +189,7 @@ def test_group_publish_round_trip_in_order_with_its_own_firings():
 
 
 def test_group_publish_drops_exactly_what_does_not_fit():
-    tr = NativeRingTransport(
-        4 * SLOT_ALIGN,
-        "drop",
-        torch.device("cuda"),
-        staging_bytes=4 * SLOT_ALIGN,
-        block_timeout=DMIConfig.block_timeout,
-    )
+    tr = cuda_ring(4 * SLOT_ALIGN, "drop", staging_bytes=4 * SLOT_ALIGN)
     t = [torch.full((64,), float(i), device="cuda") for i in range(6)]  # one slot each
     handles = [tr.site_handle(key_for(x, layer=i).site()) for i, x in enumerate(t)]
     tr.publish_firings(handles, t, [Firing(i, 0, 0, "train", 0) for i in range(6)])
@@ -205,13 +203,7 @@ def test_group_publish_drops_exactly_what_does_not_fit():
 
 
 def test_block_mode_with_a_slow_consumer_loses_nothing():
-    tr = NativeRingTransport(
-        2 * SLOT_ALIGN,
-        "block",
-        torch.device("cuda"),
-        staging_bytes=2 * SLOT_ALIGN,
-        block_timeout=DMIConfig.block_timeout,
-    )
+    tr = cuda_ring(2 * SLOT_ALIGN, "block", staging_bytes=2 * SLOT_ALIGN)
     n = 200
     got = []
 
@@ -233,7 +225,7 @@ def test_block_mode_with_a_slow_consumer_loses_nothing():
 
 
 def test_block_mode_times_out_instead_of_hanging():
-    tr = NativeRingTransport(SLOT_ALIGN, "block", torch.device("cuda"), staging_bytes=SLOT_ALIGN, block_timeout=0.5)
+    tr = cuda_ring(SLOT_ALIGN, staging_bytes=SLOT_ALIGN, block_timeout=0.5)
     t = torch.ones(64, device="cuda")
     for i in range(3):  # staging 1, ring 1, third waits then gives up
         tr.publish(key_for(t, i), t)
@@ -249,7 +241,7 @@ def test_block_mode_times_out_instead_of_hanging():
 
 
 def test_cuda_graph_replays_with_gate_and_context():
-    tr = NativeRingTransport(16 << 20, "block", torch.device("cuda"), block_timeout=DMIConfig.block_timeout)
+    tr = cuda_ring(16 << 20)
     x = torch.zeros(256, 64, device="cuda", dtype=torch.bfloat16)
     ids = torch.zeros(256, 2, device="cuda", dtype=torch.int32)
     s_x = tr.register_site(key_for(x, output="attn.context", layer=3))
@@ -302,7 +294,7 @@ def test_cuda_graph_replays_with_gate_and_context():
 
 def test_drain_throughput():
     ring_mb, rec_mb, n = 512, 32, 48
-    tr = NativeRingTransport(ring_mb << 20, "block", torch.device("cuda"), block_timeout=DMIConfig.block_timeout)
+    tr = cuda_ring(ring_mb << 20)
     src = torch.randint(0, 255, (rec_mb << 20,), dtype=torch.uint8, device="cuda")
     site = tr.register_site(key_for(src))
     got = [0]

@@ -10,6 +10,7 @@ fields of the forward that made the tensor (``gradient_firing``, ``publish_gradi
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,15 +28,25 @@ GATE_ORIGINAL = 1
 GATE_REPLAY = 2
 
 
+@functools.cache
+def _graph_state() -> tuple[Callable[[], bool], Callable[[], bool]] | None:
+    """megatron-core's (is_graph_warmup, is_graph_capturing), imported once (checked on every firing)."""
+    try:
+        from megatron.core.transformer.cuda_graphs import is_graph_capturing, is_graph_warmup
+    except ImportError:
+        return None
+    return is_graph_warmup, is_graph_capturing
+
+
 def in_graph_warmup() -> bool:
     """megatron-core runs layers eagerly before capturing their CUDA graphs: its local
     implementation's warm-up steps, and TE's ``make_graphed_callables`` warm-up on sample inputs,
     which runs while megatron-core marks the graphs as being captured but no stream captures. Those
     runs are not training forwards and must not be recorded."""
-    try:
-        from megatron.core.transformer.cuda_graphs import is_graph_capturing, is_graph_warmup
-    except ImportError:
+    state = _graph_state()
+    if state is None:
         return False
+    is_graph_warmup, is_graph_capturing = state
     return is_graph_warmup() or (is_graph_capturing() and not capturing_graph())
 
 
