@@ -107,6 +107,11 @@ def from_spool(spool: str, copies: int, root: str) -> dict:
     return out
 
 
+def machine(args: argparse.Namespace) -> dict:
+    """Where and how the results were measured (the head of the JSON)."""
+    return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(), "args": vars(args)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--total-mb", type=int, default=512, help="payload per measurement")
@@ -128,16 +133,7 @@ def main() -> None:
             if not args.dir:
                 shutil.rmtree(root, ignore_errors=True)
         if args.json:
-            write_json(
-                args.json,
-                {
-                    "host": platform.node(),
-                    "cpus": os.cpu_count(),
-                    "python": platform.python_version(),
-                    "args": vars(args),
-                    **out,
-                },
-            )
+            write_json(args.json, {**machine(args), **out})
         return
     backend = ChdbBackend(os.path.join(root, "store", "chdb"))
     backend.ensure_schema()
@@ -236,17 +232,7 @@ def main() -> None:
             f"{row['ingest_MBps']:11.0f}"
         )
     if args.json:
-        write_json(
-            args.json,
-            {
-                "host": platform.node(),
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-                "args": vars(args),
-                "summary": summary,
-                "runs": results,
-            },
-        )
+        write_json(args.json, {**machine(args), "summary": summary, "runs": results})
 
 
 if __name__ == "__main__":
