@@ -433,14 +433,21 @@ class UnsupportedUnderGraphsError(DMIError, ValueError):
 
 
 def check_graph_support(hooks: frozenset[str]) -> None:
-    """Refuse the backward outputs (group ``grad``) under CUDA graphs: their tensor hooks are Python
-    callbacks that a graph replay of the backward pass never runs."""
+    """Refuse under CUDA graphs the backward outputs (group ``grad``): their tensor hooks are Python
+    callbacks that a graph replay of the backward pass never runs; and outputs whose record size
+    depends on the data (``mlp.experts``: rows per routing), which a graph's fixed shapes cannot hold."""
     backward = sorted(o for o in hooks if BY_NAME[o].backward)
     if backward:
         raise UnsupportedUnderGraphsError(
             f"{', '.join(backward)} cannot be captured under CUDA graphs (--cuda-graph-impl): they are "
             "recorded by tensor hooks in the backward pass, which a graph replay does not run; capture them in "
             "a run without CUDA graphs"
+        )
+    data_sized = sorted(o for o in hooks if BY_NAME[o].combine == "rows")
+    if data_sized:
+        raise UnsupportedUnderGraphsError(
+            f"{', '.join(data_sized)} cannot be captured under CUDA graphs (--cuda-graph-impl): its row count "
+            "depends on the routing, and a graph replays fixed shapes; capture it in a run without CUDA graphs"
         )
 
 

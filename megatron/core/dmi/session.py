@@ -129,7 +129,7 @@ class DMISession:
         CUDA graphs, so the step context travels through the device gate and context block.
         ``run_facts``: values the model config does not hold (sequence length, vocabulary, batch
         sizes) for the runs table; ``command_line`` defaults to ``sys.argv``. Raises
-        UnsupportedUnderGraphsError for ``grad`` outputs with ``cuda_graphs``."""
+        UnsupportedUnderGraphsError for ``grad`` outputs and ``mlp.experts`` with ``cuda_graphs``."""
         if cuda_graphs:
             check_graph_support(config.hooks)
         self.config = config

@@ -55,6 +55,11 @@ CASES = {
         "--cuda-graph-scope",
         "full_iteration graphs replay every microbatch",
     ),
+    "expert rows under CUDA graphs": (
+        ["--dmi-hooks", "mlp.experts", "--cuda-graph-impl", "local", "--no-check-for-nan-in-loss-and-grad"],
+        "--dmi-hooks",
+        "mlp.experts cannot be captured under CUDA graphs",
+    ),
     "gradients under CUDA graphs": (
         ["--dmi-hooks", "router,grad", "--cuda-graph-impl", "local", "--no-check-for-nan-in-loss-and-grad"],
         "--dmi-hooks",
