@@ -12,7 +12,9 @@ For every case workdir in the archive (``<name>`` with DMI, ``<name>_off`` its D
   copied in the same run; the stored top-k selects exactly megatron-core's routing map with its
   probabilities; the expert counts after drops equal the routing map's column sums;
 * CUDA-graph cases: the stored tensors against the eager case of the same model (``EAGER_TWIN``):
-  which are bitwise equal, and the largest difference of the others.
+  which are bitwise equal, and the largest difference of the others;
+* analyses: routing concentration, routing predictability and loss against routing, read from the
+  store of every case that captured their inputs (each must answer on a CUDA-graph case).
 
 Prints one line per case and writes the findings as JSON; exits 1 if a case failed.
 """
@@ -77,6 +79,28 @@ def _oracle_findings(dump: dict, oracle: dict) -> dict:
     return {"compared": compared, "mismatched": mismatched[:20], "mismatches": len(mismatched)}
 
 
+def _analyses_findings(store_dir: str) -> dict:
+    """What each analysis answers from the store: its row count, or why it could not answer."""
+    from megatron.core.dmi.reader import analyses, open_store
+    from megatron.core.dmi.reader.errors import StoreError
+
+    store = open_store(store_dir, ingest=False)
+    found = {}
+    try:
+        for name, run in (
+            ("routing_concentration", lambda: analyses.routing_concentration(store).frequency),
+            ("routing_predictability", lambda: analyses.routing_predictability(store)),
+            ("loss_vs_routing", lambda: analyses.loss_vs_routing(store)),
+        ):
+            try:
+                found[name] = len(run())
+            except StoreError as exc:
+                found[name] = f"not answered: {exc}"
+    finally:
+        store.close()
+    return found
+
+
 def _twin_findings(dump: dict, eager: dict) -> dict:
     equal, differ, max_diff = 0, [], 0.0
     for key, t in dump["tensors"].items():
@@ -127,6 +151,9 @@ def check(root: str, name: str, record_golden: bool, dumps: dict) -> dict:
         found["oracle"] = _oracle_findings(result["dump"], torch.load(oracle_file, weights_only=False))
         if found["oracle"]["mismatches"] or not found["oracle"]["compared"]:
             problems.append(f"oracle: {found['oracle']}")
+    found["analyses"] = _analyses_findings(os.path.join(work, "loaded_store"))
+    if name in EAGER_TWIN and not all(isinstance(n, int) and n > 0 for n in found["analyses"].values()):
+        problems.append(f"analyses on the CUDA-graph store: {found['analyses']}")
     twin = EAGER_TWIN.get(name)
     if twin and twin in dumps:
         found["vs_eager_" + twin] = _twin_findings(result["dump"], dumps[twin])
