@@ -287,7 +287,7 @@ def ingest_spool(
             res.note(
                 f"insert of {len(batch)} spool segment(s) ({table.num_rows} rows) failed: {refused}; "
                 + (f"{landed} of the rows are in the store nevertheless (read back); " if landed else "")
-                + "the segments stay in the spool and are retried"
+                + "they stay in the spool and are retried"
             )
             return
         now = _now()
