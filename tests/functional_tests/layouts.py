@@ -77,8 +77,8 @@ class Layout:
 
     @property
     def experts(self) -> bool:
-        """Whether the layout also captures mlp.experts (the allgather dispatcher, no token dropping)."""
-        return not self.dense and self.dispatcher == "allgather" and "--moe-expert-capacity-factor" not in self.args
+        """Whether the layout also captures mlp.experts (an MoE model without token dropping)."""
+        return not self.dense and "--moe-expert-capacity-factor" not in self.args
 
     def full_args(self) -> list[str]:
         if not self.dense:

@@ -249,20 +249,21 @@ OUTPUTS: tuple[HookOutput, ...] = (
         "mlp",
         "[rows, h + 5]",
         "fp32",
-        "Every row the routed experts of a rank computed (named explicitly only: tokens x k rows per microbatch "
-        "over the ranks), in the dispatcher's order (by expert, tokens ascending). Columns 0..h-1: the expert's "
-        "output, upcast exactly, with the routing probability already applied (a partial sum under expert tensor "
-        "parallelism); then the expert id, the global rank whose token it is, the token's index there, that rank's "
-        "token count and the routing probability. The reader rebuilds a data-parallel rank's rows from every rank "
+        "Every routed expert's output row for a token (named explicitly only: tokens x k rows per microbatch over "
+        "the ranks), by expert, tokens ascending: with the allgather dispatcher a rank records its experts' rows "
+        "for its TP x EP group's tokens (partial sums under expert tensor parallelism), with the alltoall "
+        "dispatcher a rank records its own tokens' rows as the combine brings them back. Columns 0..h-1: the "
+        "output, upcast exactly, with the routing probability already applied; then the expert id, the global rank "
+        "whose token it is, the token's index there, that rank's token count and the routing probability. The reader rebuilds a data-parallel rank's rows from every rank "
         "of its expert group as [rows, h + 3]: the row (ETP partials added), the expert id, the token index (the "
         "row of router.logits) and the top-k slot (router.topk_ids[token, slot] is the expert); a token's rows sum "
-        "to mlp.out minus mlp.shared (see Conventions). Allgather dispatcher and no capacity factor only.",
+        "to mlp.out minus mlp.shared (see Conventions). Allgather or alltoall dispatcher, no capacity factor.",
         combine="rows",
         opt_in=True,
         in_all=False,
         scope="moe_layer",
         producers="every",
-        # the mean over ranks of one expert group (EP ranks split the rows; ETP ranks each hold all of theirs)
+        # per rank: its tokens' rows (alltoall), or the mean over an expert group's ranks (allgather)
         local_shape=lambda m: ((m.router_tokens * m.topk, m.hidden + 5), 4),
     ),
     HookOutput(
@@ -457,6 +458,7 @@ def experts_unsupported(
     sequence_parallel: bool,
     capacity_factor: float | None,
     latent_size: int | None,
+    padding_for_quantization: bool = False,
 ) -> tuple[str, str] | None:
     """Why ``mlp.experts`` cannot be captured exactly in a configuration, or None when it can.
 
@@ -466,12 +468,13 @@ def experts_unsupported(
         sequence_parallel: ``--sequence-parallel``.
         capacity_factor: ``--moe-expert-capacity-factor`` (None: no token dropping).
         latent_size: ``--moe-latent-size`` (None: experts work in the hidden size).
+        padding_for_quantization: ``--moe-router-padding-for-quantization``.
 
     Returns:
         (the flag to change, the reason) or None.
     """
-    if dispatcher_type != "allgather":
-        return "--moe-token-dispatcher-type", "mlp.experts needs the allgather token dispatcher"
+    if dispatcher_type not in ("allgather", "alltoall"):
+        return "--moe-token-dispatcher-type", "mlp.experts needs the allgather or alltoall token dispatcher"
     if tensor_parallel > 1 and not sequence_parallel:
         return (
             "--sequence-parallel",
@@ -485,6 +488,11 @@ def experts_unsupported(
         )
     if latent_size is not None:
         return "--moe-latent-size", "mlp.experts does not support latent experts (their rows are not hidden vectors)"
+    if padding_for_quantization:
+        return (
+            "--moe-router-padding-for-quantization",
+            "mlp.experts does not support routing padded for quantization (padding rows are not routes)",
+        )
     return None
 
 

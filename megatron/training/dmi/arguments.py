@@ -189,6 +189,7 @@ def check_dmi_layout(args: argparse.Namespace) -> None:
             bool(args.sequence_parallel),
             args.moe_expert_capacity_factor,
             getattr(args, "moe_latent_size", None),
+            bool(getattr(args, "moe_router_padding_for_quantization", False)),
         )
         if why is not None:
             _fail(why[0], why[1])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -76,7 +76,9 @@ class HookSet:
         self.capture = capture
         self.layers: dict[int, list[str]] = {}  # global layer -> sites, for the topology record
         self._handles: list = []
-        self._wrapped_routers: list[TopKRouter] = []
+        # (object, method name) whose instance attribute wraps the class's method (router.routing,
+        # the alltoall dispatcher's token_combine)
+        self._wrapped: list[tuple[object, str]] = []
         self._stack = contextlib.ExitStack()
         self._groups = {catalog.BY_NAME[o].group for o in capture.config.hooks}
         if "router" in self._groups:
@@ -103,11 +105,18 @@ class HookSet:
         """Remove every hook and router wrapper and exit the contexts entered, restoring the modules."""
         for h in self._handles:
             h.remove()
-        for r in self._wrapped_routers:
-            del r.routing  # drops the instance attribute; the class method is visible again
+        for obj, name in self._wrapped:
+            delattr(obj, name)  # drops the instance attribute; the class method is visible again
         self._stack.close()
         self._handles.clear()
-        self._wrapped_routers.clear()
+        self._wrapped.clear()
+
+    def wrap(self, obj: object, name: str, wrapper: Callable) -> None:
+        """Replace ``obj.name`` by ``wrapper`` on this instance until ``remove`` (wrapping a wrapper
+        again is fine: its removal restores the class's method)."""
+        setattr(obj, name, wrapper)
+        if (obj, name) not in self._wrapped:
+            self._wrapped.append((obj, name))
 
 
 @dataclass(frozen=True)
@@ -184,8 +193,7 @@ def _router_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoord
             capture.publish_all(layer, coords, where, {o: values[o]() for o in wanted if capture.wants(o, layer)})
         return probs, routing_map
 
-    router.routing = routing
-    hooks._wrapped_routers.append(router)
+    hooks.wrap(router, "routing", routing)
     hooks.layers.setdefault(layer, []).append("router")
 
 
@@ -248,39 +256,69 @@ def _mlp_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) 
 
 
 def _watch_experts(hooks: HookSet, module: TransformerLayer, experts: torch.nn.Module, coords: ParallelCoords) -> None:
-    """mlp.experts from the experts module's output: every rank publishes its own experts' rows (they
-    are not replicated anywhere); a firing with no rows still publishes its empty record, so the
-    record counts do not depend on the routing."""
+    """mlp.experts: every rank publishes rows no other rank publishes; a firing with no rows still
+    publishes its empty record, so the record counts do not depend on the routing.
+
+    Allgather dispatcher: the experts module's output, this rank's experts' rows for the tokens of its
+    TP x EP group. Alltoall dispatcher: the rows of this rank's own tokens as the combine's
+    all-to-all brings them back from every expert (expert tensor parallel partials already reduced),
+    in the order this rank's permutation sent them."""
     config = module.config
     dispatcher = module.mlp.token_dispatcher
+    kind = (
+        "allgather"
+        if isinstance(dispatcher, MoEAllGatherTokenDispatcher)
+        else "alltoall"
+        if isinstance(dispatcher, MoEAlltoAllTokenDispatcher)
+        else config.moe_token_dispatcher_type
+    )
     why = catalog.experts_unsupported(
-        "allgather" if isinstance(dispatcher, MoEAllGatherTokenDispatcher) else config.moe_token_dispatcher_type,
+        kind,
         tp_size(),
         bool(config.sequence_parallel),
         config.moe_expert_capacity_factor,
         getattr(config, "moe_latent_size", None),
+        bool(getattr(config, "moe_router_padding_for_quantization", False)),
     )
     if why is not None:
         raise DMIError(f"{why[1]} ({why[0]})")
     layer = module.layer_number - 1
     capture = hooks.capture
+
+    def publish(rows, local_map, permuted_probs, first_expert, group_ranks):
+        with torch.no_grad():
+            record = expert_capture.expert_rows(rows, local_map, permuted_probs, first_expert, group_ranks)
+            n = record.shape[0]
+            where = Placement(0, n, n, group_ranks.index(coords.rank), len(group_ranks))
+            capture.publish_all(layer, coords, where, {"mlp.experts": record})
+
+    if kind == "alltoall":
+        token_combine = dispatcher.token_combine
+
+        def combined(hidden_states, *args, **kwargs):
+            rows = token_combine(hidden_states, *args, **kwargs)
+            if not capture.idle and capture.wants("mlp.experts", layer):
+                routing_map = dispatcher.routing_map
+                # the probabilities in the order permute() put this rank's rows: by expert, tokens ascending
+                permuted = dispatcher.probs.t().contiguous().masked_select(routing_map.t().contiguous())
+                publish(rows, routing_map, permuted, 0, [coords.rank])
+            return rows
+
+        hooks.wrap(dispatcher, "token_combine", combined)
+        return
+
     first_expert = dispatcher.local_expert_indices[0]
     group = dispatcher.tp_ep_group
     if torch.distributed.is_initialized() and group is not None:
         group_ranks = torch.distributed.get_process_group_ranks(group)
     else:
         group_ranks = [coords.rank]
-    where_shard = group_ranks.index(coords.rank)
 
     def hook(experts, args, output):
         if capture.idle or not capture.wants("mlp.experts", layer):
             return
         rows = output[0] if isinstance(output, tuple) else output
-        with torch.no_grad():
-            record = expert_capture.expert_rows(rows, dispatcher.local_map, args[2], first_expert, group_ranks)
-            n = record.shape[0]
-            where = Placement(0, n, n, where_shard, len(group_ranks))
-            capture.publish_all(layer, coords, where, {"mlp.experts": record})
+        publish(rows, dispatcher.local_map, args[2], first_expert, group_ranks)
 
     hooks._handles.append(experts.register_forward_hook(hook))
 
@@ -359,9 +397,7 @@ def _grad_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords)
                 _watch_gradient(hooks, module, "grad.router_logits", coords, logits, where, (rows, experts))
             return routing_step(logits, *args, **kwargs)
 
-        router.routing = routing
-        if router not in hooks._wrapped_routers:
-            hooks._wrapped_routers.append(router)
+        hooks.wrap(router, "routing", routing)
     hooks.layers.setdefault(module.layer_number - 1, []).append("grad")
 
 

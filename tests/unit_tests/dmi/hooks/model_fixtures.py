@@ -21,6 +21,7 @@ def tiny_gpt(
     num_query_groups: int | None = None,
     recompute: dict | None = None,
     shared_expert_size: int | None = None,
+    dispatcher: str = "allgather",
 ) -> GPTModel:
     config = TransformerConfig(
         num_layers=2,
@@ -31,7 +32,7 @@ def tiny_gpt(
         use_cpu_initialization=True,
         num_moe_experts=num_experts,
         moe_router_topk=TOPK,
-        moe_token_dispatcher_type="allgather",
+        moe_token_dispatcher_type=dispatcher,
         moe_expert_capacity_factor=capacity_factor,
         moe_token_drop_policy="probs",
         moe_router_load_balancing_type="none",

@@ -46,8 +46,14 @@ def rebuilt(records, layer):
     return rebuild_expert_rows([records[(layer, "mlp.experts")]], {0: (0, 0)}, 0)
 
 
-def test_rows_match_a_plain_hook_and_name_their_token_and_slot(megatron_cpu):
-    records, seen = capture_experts(tiny_gpt())
+DISPATCHERS = pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+
+
+@DISPATCHERS
+def test_rows_match_a_plain_hook_and_name_their_token_and_slot(megatron_cpu, dispatcher):
+    """With one rank both dispatchers hand the experts the rows by expert, tokens ascending: the
+    allgather path records the experts' output, the alltoall path the rows the combine brings back."""
+    records, seen = capture_experts(tiny_gpt(dispatcher=dispatcher))
     for layer in (0, 1):
         stored = records[(layer, "mlp.experts")].tensor()
         rows, routing_map, probs = seen[layer]["rows"], seen[layer]["map"], seen[layer]["probs"]
@@ -71,12 +77,13 @@ def test_rows_match_a_plain_hook_and_name_their_token_and_slot(megatron_cpu):
         assert torch.equal(weights[token, slot], probs[token, expert])
 
 
-def test_rows_rebuild_mlp_out(megatron_cpu):
+@DISPATCHERS
+def test_rows_rebuild_mlp_out(megatron_cpu, dispatcher):
     """A token's rows sum to mlp.out: adding them in row order, as the dispatcher's unpermute does,
     gives the same bits. The rows are already weighted: each is its expert's output for the token
     scaled by the routing probability (the experts apply it in their activation, so that check is
     allclose: the unweighted output rounds differently)."""
-    model = tiny_gpt()
+    model = tiny_gpt(dispatcher=dispatcher)
     records, seen = capture_experts(model)
     for layer in (0, 1):
         record = rebuilt(records, layer)
@@ -125,11 +132,12 @@ def test_unsupported_configuration_is_refused_at_attach(megatron_cpu):
         HookSet(capture_for("mlp.experts")).attach(model)
 
 
+@DISPATCHERS
 @pytest.mark.parametrize("record_replays", [False, True])
-def test_full_recompute_records_each_once_or_keeps_the_replay(megatron_cpu, record_replays):
+def test_full_recompute_records_each_once_or_keeps_the_replay(megatron_cpu, record_replays, dispatcher):
     """Full recompute re-runs the MoE layer in backward: its rows are rejected, or kept bitwise
     equal to the original as invocation 1."""
-    model = tiny_gpt(recompute=RECOMPUTE["full"])
+    model = tiny_gpt(recompute=RECOMPUTE["full"], dispatcher=dispatcher)
     capture = capture_for("mlp.experts", record_replays=record_replays)
     HookSet(capture).attach(model)
     model.capture = capture
@@ -145,3 +153,19 @@ def test_full_recompute_records_each_once_or_keeps_the_replay(megatron_cpu, reco
     by_key = {(r.key.invocation, r.key.microbatch, r.key.layer): r for r in records}
     for _, mb, layer in originals:
         assert by_key[(1, mb, layer)].payload == by_key[(0, mb, layer)].payload
+
+
+def test_remove_restores_the_alltoall_dispatcher(megatron_cpu):
+    """The alltoall path wraps each MoE layer's token_combine; removing the hooks drops the wrapper
+    and a forward afterwards records nothing."""
+    model = tiny_gpt(dispatcher="alltoall")
+    capture = capture_for("mlp.experts")
+    hooks = HookSet(capture)
+    hooks.attach(model)
+    dispatchers = [layer.mlp.token_dispatcher for layer in model.decoder.layers]
+    assert all("token_combine" in vars(d) for d in dispatchers)
+    hooks.remove()
+    assert all("token_combine" not in vars(d) for d in dispatchers)
+    capture.begin_step("train", 1)
+    model(*tokens(), attention_mask=None)
+    assert capture.transport.pending() == 0

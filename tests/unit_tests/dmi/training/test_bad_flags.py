@@ -39,10 +39,10 @@ CASES = {
         "--dmi-ring-mb",
         "one record of 35328 bytes",
     ),
-    "expert rows with the alltoall dispatcher": (
-        ["--dmi-hooks", "mlp.experts", "--moe-token-dispatcher-type", "alltoall"],
+    "expert rows with the flex dispatcher": (
+        ["--dmi-hooks", "mlp.experts", "--moe-token-dispatcher-type", "flex"],
         "--moe-token-dispatcher-type",
-        "mlp.experts needs the allgather token dispatcher",
+        "mlp.experts needs the allgather or alltoall token dispatcher",
     ),
     "expert rows with a capacity factor": (
         ["--dmi-hooks", "mlp.experts", "--moe-expert-capacity-factor", "1.0"],
