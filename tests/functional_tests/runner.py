@@ -178,7 +178,7 @@ def dump_store(store_dir: str, out: str, load: str | None = None, timeout: int =
 
 def summarize(dump: dict, losses: dict[int, float]) -> dict:
     """The golden-value view of one run: loss per step, visible iterations, counts, checksums."""
-    from tests.functional_tests.store_dump import tensor_crc
+    from tests.functional_tests.store_dump import tensor_crc, tensor_stats
 
     counts: dict[str, int] = {}
     iterations: dict[str, set] = {}
@@ -189,6 +189,7 @@ def summarize(dump: dict, losses: dict[int, float]) -> dict:
         counts[key] = counts.get(key, 0) + 1
         iterations.setdefault(r["phase"], set()).add(int(r["iteration"]))
     checksums = {"/".join(map(str, k)): tensor_crc(t) for k, t in sorted(dump["tensors"].items())}
+    stats = {"/".join(map(str, k)): tensor_stats(t) for k, t in sorted(dump["tensors"].items())}
     steps = sorted(losses)
     return {
         "lm loss": {
@@ -200,7 +201,14 @@ def summarize(dump: dict, losses: dict[int, float]) -> dict:
         "dmi_iterations": {p: sorted(v) for p, v in sorted(iterations.items())},
         "dmi_record_counts": dict(sorted(counts.items())),
         "dmi_checksums": checksums,
+        "dmi_stats": stats,
     }
+
+
+# Where a checksum differs, a tensor still matches a golden whose statistics it meets within
+# STATS_RTOL of the golden RMS (plus STATS_ATOL): another processor generation sums in another order
+# even with the pins below, and its last bits differ (seen: goldens of one Xeon generation on another).
+STATS_RTOL, STATS_ATOL = 1e-3, 1e-6
 
 
 def compare(actual: dict, golden: dict) -> list[str]:
@@ -222,9 +230,21 @@ def compare(actual: dict, golden: dict) -> list[str]:
             f"unexpected {sorted(set(aa) - set(ga))[:5]}"
         )
     bad = [k for k in ga if k in aa and ga[k] != aa[k]]
-    if bad:
+    gs, as_ = golden.get("dmi_stats"), actual.get("dmi_stats", {})
+    if bad and gs:  # not bitwise here: within tolerance of the golden's mean and RMS
+        bad = [k for k in bad if not _stats_close(as_.get(k), gs.get(k))]
+        if bad:
+            problems.append(f"{len(bad)} tensor(s) differ beyond rtol {STATS_RTOL} of their statistics, e.g. {bad[:5]}")
+    elif bad:
         problems.append(f"{len(bad)} checksum(s) differ, e.g. {bad[:5]}")
     return problems
+
+
+def _stats_close(actual: list[float] | None, golden: list[float] | None) -> bool:
+    if actual is None or golden is None:
+        return False
+    tol = STATS_RTOL * abs(golden[1]) + STATS_ATOL
+    return all(abs(a - g) <= tol for a, g in zip(actual, golden))
 
 
 # CPU goldens are bitwise, and torch's own kernels, MKL and oneDNN each pick the widest SIMD the

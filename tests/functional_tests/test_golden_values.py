@@ -81,3 +81,42 @@ def test_the_te_cases_that_ran_on_the_h200_are_recorded():
         "te_fp8_dense",
         "te_fp8_moe",
     }
+
+
+CPU_CASES = [c for c in all_cases() if "cpu" in (load_case(c).get("PLATFORMS") or ["cpu"])]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=os.path.basename)
+def test_cpu_goldens_carry_statistics_for_every_checksum(case):
+    g = golden(case, "cpu")
+    assert set(g["dmi_stats"]) == set(g["dmi_checksums"]) and all(len(v) == 3 for v in g["dmi_stats"].values())
+
+
+def test_a_golden_tolerates_last_bit_drift_but_not_misplaced_values():
+    """Where the bits differ (another processor), the statistics decide: rounding-level drift passes,
+    the same values in other places do not."""
+    import torch
+
+    from tests.functional_tests.runner import compare
+    from tests.functional_tests.store_dump import tensor_crc, tensor_stats
+
+    t = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+
+    def summary(x):
+        return {
+            "lm loss": {"values": {"1": 1.0}},
+            "dmi_iterations": {"train": [1]},
+            "dmi_record_counts": {"train/x": 1},
+            "dmi_checksums": {"k": tensor_crc(x)},
+            "dmi_stats": {"k": tensor_stats(x)},
+        }
+
+    golden_of_t = summary(t)
+    assert compare(summary(t), golden_of_t) == []
+    drifted = t * (1 + 1e-6)
+    assert tensor_crc(drifted) != tensor_crc(t) and compare(summary(drifted), golden_of_t) == []
+    swapped = t[torch.randperm(64, generator=torch.Generator().manual_seed(1))]  # the same rows, other places
+    assert tensor_stats(swapped)[:2] == pytest.approx(tensor_stats(t)[:2])
+    assert compare(summary(swapped), golden_of_t) != []
+    without_stats = {k: v for k, v in golden_of_t.items() if k != "dmi_stats"}  # H200 goldens: bitwise
+    assert compare(summary(drifted), without_stats) != []
