@@ -22,17 +22,30 @@ def test_build_report_describes_what_can_build_here():
 
 def test_cached_host_build_loads_from_cache_in_a_new_process_without_compiling(tmp_path):
     """A second process loads the cached library: nothing is compiled or linked and the library is not
-    rebuilt. The compilers on PATH are wrapped by scripts that log each call (and then run the real
-    one, so a wrong answer still builds); torch's version probes (``c++ -v``) are no build. How long
-    the load takes belongs in benchmarks, not here."""
+    rebuilt. Both processes build into their own extensions folder (this process may have loaded its
+    ring from another one, set by an earlier test). The compilers on PATH are wrapped by scripts that
+    log each call (and then run the real one, so a wrong answer still builds); torch's version probes
+    (``c++ -v``) are no build. How long the load takes belongs in benchmarks, not here."""
+    import json
     import os
     import shutil
     import subprocess
     import sys
 
-    jit.load_host()
-    t = jit.build_timings()["host"]
-    lib = os.path.join(t["build_dir"], f"{t['name']}.so")
+    code = (
+        "import json; from megatron.core.dmi.transport import jit; jit.load_host(); "
+        "print(json.dumps(jit.build_timings()['host']))"
+    )
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+
+    def load(env):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.splitlines()[-1])
+
+    first = load(env)
+    assert not first["cached"]  # a cold folder: this one built it
+    lib = os.path.join(first["build_dir"], f"{first['name']}.so")
     built_at = os.stat(lib).st_mtime_ns
     wrappers, mark = tmp_path / "bin", tmp_path / "compiler-ran"
     wrappers.mkdir()
@@ -42,11 +55,8 @@ def test_cached_host_build_loads_from_cache_in_a_new_process_without_compiling(t
             w = wrappers / cc
             w.write_text(f'#!/bin/sh\necho "{cc} $*" >> {mark}\nexec {real} "$@"\n')
             w.chmod(0o755)
-    env = dict(os.environ, PATH=f"{wrappers}{os.pathsep}{os.environ.get('PATH', '')}")
-    code = "from megatron.core.dmi.transport import jit; jit.load_host(); print(jit.build_timings()['host']['cached'])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[-1] == "True"
+    second = load(dict(env, PATH=f"{wrappers}{os.pathsep}{env.get('PATH', '')}"))
+    assert second["cached"] and second["build_dir"] == first["build_dir"]
     calls = mark.read_text().splitlines() if mark.exists() else []
     builds = [c for c in calls if {"-c", "-o"} & set(c.split())]
     assert not builds, f"a compiler built something: {builds}"
