@@ -102,7 +102,7 @@ class HookSet:
                     site(self, module, coords)
 
     def remove(self) -> None:
-        """Remove every hook and router wrapper and exit the contexts entered, restoring the modules."""
+        """Remove every hook and method wrapper and exit the contexts entered, restoring the modules."""
         for h in self._handles:
             h.remove()
         for obj, name in self._wrapped:

@@ -490,7 +490,8 @@ class Store:
     ) -> torch.Tensor:
         """The full tensor rebuilt from every TP/SP/EP/CP/PP shard (see reconstruct.py for the rules).
         Raises ReconstructionError on a gap, an overlap or conflicting duplicates."""
-        rows = catalog.BY_NAME[output].combine == "rows" if output in catalog.BY_NAME else False
+        spec = catalog.BY_NAME.get(output)
+        rows = spec is not None and spec.combine == "rows"
         # an expert group's ranks hold each other's tokens' rows: read every data-parallel rank's records
         recs = self.records(run_id, output, iteration, microbatch, layer, phase, None if rows else dp, invocation)
         what = f"{output} run {run_id} {phase} iteration {iteration} microbatch {microbatch} layer {recs[0].key.layer if recs else layer}"
