@@ -1,7 +1,7 @@
 """Check what an H200 brought back from the Transformer Engine cases (run_h200_te.sh), here where
 chDB exists, and record their golden values:
 
-    tar xzf ft_h200_te.tgz -C /tmp
+    cat ft_h200_te.tgz.part_* | tar xz -C /tmp
     python -m tests.functional_tests.check_h200_te /tmp/ft_h200_te --json out.json [--record-golden]
 
 For every case workdir in the archive (``<name>`` with DMI, ``<name>_off`` its DMI-off twin):

@@ -7,7 +7,8 @@
 # with the in-run oracle (not the CUDA-graph cases: an oracle hook cannot copy to the host inside a
 # graph capture) and a DMI-off twin of each, several at a time (tiny models: the GPU has room), plus
 # the extra h200 cases in $FT_H200_CASES, then clocks DMI's host time per firing (host_cost.py).
-# Everything is packed into $OUT/ft_h200_te.tgz; here, with chDB, check and record with
+# Everything is packed into $OUT/ft_h200_te.tgz.part_*; here, with chDB, unpack
+# (cat ft_h200_te.tgz.part_* | tar xz -C /tmp), then check and record with
 #   python -m tests.functional_tests.check_h200_te /tmp/ft_h200_te [--record-golden]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -19,7 +20,7 @@ GPU_TXT=$W/gpu.txt source scripts/h200_env.sh
 export CUBLAS_WORKSPACE_CONFIG=:4096:8 NCCL_ALGO=Ring
 timeout 90 python3 .te-h200/gpu_check.py > $W/gpu_check.log 2>&1; echo "gpu_check rc=$? $(tail -1 $W/gpu_check.log)"
 timeout 240 python3 -m megatron.core.dmi doctor --build --check-cuda > $W/doctor.log 2>&1; echo "doctor rc=$?"
-grep -E "jit build|transformer|TE" $W/doctor.log | head -5
+grep -v -E "^ok " $W/doctor.log | head -20
 {
   for c in tests/functional_tests/test_cases/gpt_moe_te/*/; do
     c=${c%/}
@@ -43,5 +44,6 @@ if [ "${WITH_HOST_COST:-1}" = 1 ]; then
   echo "host_cost rc=$?"; tail -6 $W/host_cost.log
 fi
 find $W -name "*.pt" -path "*checkpoints*" -delete 2>/dev/null
-tar czf $OUT/ft_h200_te.tgz -C /tmp ft_h200_te
+# a file that comes back from the machine is at most 16 MiB: the archive travels in parts
+tar czf - -C /tmp ft_h200_te | split -b 15M - $OUT/ft_h200_te.tgz.part_
 ls -la $OUT
