@@ -13,15 +13,18 @@ For every case workdir in the archive (``<name>`` with DMI, ``<name>_off`` its D
   probabilities; the expert counts after drops equal the routing map's column sums;
 * CUDA-graph cases: the stored tensors against the eager case of the same model (``EAGER_TWIN``):
   which are bitwise equal, and the largest difference of the others;
-* analyses: routing concentration, routing predictability and loss against routing, read from the
-  store of every case that captured their inputs (each must answer on a CUDA-graph case).
+* analyses: routing concentration, routing predictability, loss against routing and gradient
+  norms, read from the store of every case that captured their inputs (the three routing ones must
+  answer on a CUDA-graph case that captured the router).
 
-Prints one line per case and writes the findings as JSON; exits 1 if a case failed.
+Prints one line per case and writes the findings (and the GPU's name) as JSON; exits 1 if a case
+failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -91,6 +94,7 @@ def _analyses_findings(store_dir: str) -> dict:
             ("routing_concentration", lambda: analyses.routing_concentration(store).frequency),
             ("routing_predictability", lambda: analyses.routing_predictability(store)),
             ("loss_vs_routing", lambda: analyses.loss_vs_routing(store)),
+            ("grad_norms", lambda: analyses.grad_norms(store).layers),
         ):
             try:
                 found[name] = len(run())
@@ -124,8 +128,10 @@ def check(root: str, name: str, record_golden: bool, dumps: dict) -> dict:
         return {**found, "ok": False, "problems": [f"no case directory named {name}"]}
     platform = _platform(case)
     problems = []
-    with open(os.path.join(work, "train.log"), encoding="utf-8") as f:
-        died = [line for line in f if re.match(r"\[rank0\]: [\w.]*(Error|Exception)\b", line)]
+    died = []
+    for log in glob.glob(os.path.join(work, "train*.log")):  # train.log, or a resumed case's two attempts
+        with open(log, encoding="utf-8") as f:
+            died += [line for line in f if re.match(r"\[rank0\]: [\w.]*(Error|Exception)\b", line)]
     if died:
         problems.append(f"training failed: {died[0].strip()[:300]}")
     result = runner.run_case(case, platform, workdir=work, compare_only=True)
@@ -152,7 +158,9 @@ def check(root: str, name: str, record_golden: bool, dumps: dict) -> dict:
         if found["oracle"]["mismatches"] or not found["oracle"]["compared"]:
             problems.append(f"oracle: {found['oracle']}")
     found["analyses"] = _analyses_findings(os.path.join(work, "loaded_store"))
-    if name in EAGER_TWIN and not all(isinstance(n, int) and n > 0 for n in found["analyses"].values()):
+    routed = "router" in str(runner.load_case(case)["MODEL_ARGS"].get("--dmi-hooks", ""))
+    routing = {k: n for k, n in found["analyses"].items() if k != "grad_norms"}  # graphs refuse grad
+    if name in EAGER_TWIN and routed and not all(isinstance(n, int) and n > 0 for n in routing.values()):
         problems.append(f"analyses on the CUDA-graph store: {found['analyses']}")
     twin = EAGER_TWIN.get(name)
     if twin and twin in dumps:
@@ -187,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         findings.append(f)
         print(f"{'PASSED' if f['ok'] else 'FAILED'} {name}" + "".join(f"\n  {p}" for p in f["problems"]))
     if a.json:
+        gpu_txt = os.path.join(a.root, "gpu.txt")  # which card ran them (name, driver, memory)
+        gpu = open(gpu_txt, encoding="utf-8").read().strip() if os.path.exists(gpu_txt) else None
         with open(a.json, "w", encoding="utf-8") as out:
-            json.dump(findings, out, indent=1, sort_keys=True)
+            json.dump({"gpu": gpu, "cases": findings}, out, indent=1, sort_keys=True)
             out.write("\n")
     return 0 if all(f["ok"] for f in findings) else 1
 

@@ -6,7 +6,8 @@
 # It checks TE on the GPU (gpu_check.py), builds the native ring once, trains every h200_te case
 # with the in-run oracle (not the CUDA-graph cases: an oracle hook cannot copy to the host inside a
 # graph capture) and a DMI-off twin of each, several at a time (tiny models: the GPU has room), plus
-# the extra h200 cases in $FT_H200_CASES, then clocks DMI's host time per firing (host_cost.py).
+# the extra h200 cases in $FT_H200_CASES (with the oracle and a twin too where they can; FT_TE=0 runs
+# only those), then clocks DMI's host time per firing (host_cost.py).
 # Everything is packed into $OUT/ft_h200_te.tgz.part_*; here, with chDB, unpack
 # (cat ft_h200_te.tgz.part_* | tar xz -C /tmp), then check and record with
 #   python -m tests.functional_tests.check_h200_te /tmp/ft_h200_te [--record-golden]
@@ -22,12 +23,15 @@ timeout 90 python3 .te-h200/gpu_check.py > $W/gpu_check.log 2>&1; echo "gpu_chec
 timeout 240 python3 -m megatron.core.dmi doctor --build --check-cuda > $W/doctor.log 2>&1; echo "doctor rc=$?"
 grep -v -E "^ok " $W/doctor.log | head -20
 {
-  for c in tests/functional_tests/test_cases/gpt_moe_te/*/; do
+  [ "${FT_TE:-1}" = 1 ] && for c in tests/functional_tests/test_cases/gpt_moe_te/*/; do
     c=${c%/}
     case $c in *graph*) echo "h200_te $c dmi" ;; *) echo "h200_te $c oracle" ;; esac
     echo "h200_te $c off"
   done
-  for c in ${FT_H200_CASES:-}; do echo "h200 $c dmi"; done
+  for c in ${FT_H200_CASES:-}; do  # a killed-and-resumed case runs alone: its twin would be killed too
+    case $c in *graph*|*ckpt*) echo "h200 $c dmi" ;; *) echo "h200 $c oracle" ;; esac
+    case $c in *ckpt*) ;; *) echo "h200 $c off" ;; esac
+  done
 } > $W/jobs.txt
 one() {  # platform case mode
   local name=$(basename $2) flags=(--platform $1 --case $2 --launch-only)
@@ -35,7 +39,7 @@ one() {  # platform case mode
   [ $3 = off ] && flags+=(--no-dmi) && name=${name}_off
   timeout 300 python3 -m tests.functional_tests.runner "${flags[@]}" --workdir $W/$name > $W/$name.runner.log 2>&1
   local rc=$?
-  echo "$(date +%T) $name rc=$rc $(grep -m1 -E '^\[rank0\]: [A-Za-z.]*(Error|Exception)' $W/$name/train.log | cut -c1-200)"
+  echo "$(date +%T) $name rc=$rc $(cat $W/$name/train*.log 2>/dev/null | grep -m1 -E '^\[rank0\]: [A-Za-z.]*(Error|Exception)' | cut -c1-200)"
 }
 export -f one; export W
 timeout ${FT_TIMEOUT:-330} xargs -P ${FT_PARALLEL:-8} -L 1 bash -c 'one "$@"' _ < $W/jobs.txt
