@@ -15,61 +15,14 @@ import sys
 from functools import partial
 
 import torch
-from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_decoder_block_spec,
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
 from megatron.core.utils import get_batch_on_this_cp_rank
-from megatron.training.arguments import core_transformer_config_from_args
-from megatron.training.utils import get_blend_and_blend_per_split
 
-from megatron.core import parallel_state as mpu
-from megatron.training import get_args, get_timers, get_tokenizer, pretrain, print_rank_0
+from megatron.training import get_timers, pretrain
 from megatron.training.dmi import entry
-
-
-def layer_spec(args, config, vp_stage):
-    use_te = args.transformer_impl == "transformer_engine"
-    if args.num_experts and args.moe_layer_freq != 1:
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, vp_stage=vp_stage)
-    if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(
-            args.num_experts, args.moe_grouped_gemm, args.qk_layernorm, args.multi_latent_attention
-        )
-    return get_gpt_layer_local_spec(
-        args.num_experts,
-        args.moe_grouped_gemm,
-        args.qk_layernorm,
-        args.multi_latent_attention,
-        normalization=args.normalization,
-    )
-
-
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    args = get_args()
-    print_rank_0("building GPT model ...")
-    config = config or core_transformer_config_from_args(args)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(args, config, vp_stage),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-        vp_stage=vp_stage,
-        pg_collection=pg_collection,
-    )
+from megatron.training.dmi.dataset_provider import train_valid_test_datasets_provider
+from megatron.training.dmi.model_provider import model_provider
 
 
 def get_batch(data_iterator):
@@ -102,40 +55,6 @@ def forward_step(data_iterator, model: GPTModel):
     timers("batch-generator").stop()
     output_tensor = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
     return output_tensor, partial(loss_func, loss_mask)
-
-
-def dataset_config(args) -> GPTDatasetConfig:
-    blend, blend_per_split = get_blend_and_blend_per_split(args)
-    return GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=blend,
-        blend_per_split=blend_per_split,
-        split=args.split,
-        num_dataset_builder_threads=args.num_dataset_builder_threads,
-        path_to_cache=args.data_cache_path,
-        mmap_bin_files=args.mmap_bin_files,
-        tokenizer=get_tokenizer(),
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
-        create_attention_mask=args.create_attention_mask_in_dataloader,
-        data_parallel_size=mpu.get_data_parallel_world_size(),
-    )
-
-
-def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    args = get_args()
-    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
-    print_rank_0(f"building {'mock' if args.mock_data else 'indexed'} GPT datasets ...")
-    train_ds, valid_ds, test_ds = BlendedMegatronDatasetBuilder(
-        dataset_type, train_val_test_num_samples, lambda: True, dataset_config(args)
-    ).build()
-    return train_ds, valid_ds, test_ds
-
-
-# Every rank builds its own loader, so no batch broadcast over the TP group is needed.
-train_valid_test_datasets_provider.is_distributed = True
 
 
 def main():
