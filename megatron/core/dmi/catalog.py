@@ -452,50 +452,6 @@ def check_graph_support(hooks: frozenset[str]) -> None:
         )
 
 
-def experts_unsupported(
-    dispatcher_type: str,
-    tensor_parallel: int,
-    sequence_parallel: bool,
-    capacity_factor: float | None,
-    latent_size: int | None,
-    padding_for_quantization: bool = False,
-) -> tuple[str, str] | None:
-    """Why ``mlp.experts`` cannot be captured exactly in a configuration, or None when it can.
-
-    Args:
-        dispatcher_type: ``--moe-token-dispatcher-type``.
-        tensor_parallel: ``--tensor-model-parallel-size``.
-        sequence_parallel: ``--sequence-parallel``.
-        capacity_factor: ``--moe-expert-capacity-factor`` (None: no token dropping).
-        latent_size: ``--moe-latent-size`` (None: experts work in the hidden size).
-        padding_for_quantization: ``--moe-router-padding-for-quantization``.
-
-    Returns:
-        (the flag to change, the reason) or None.
-    """
-    if dispatcher_type not in ("allgather", "alltoall"):
-        return "--moe-token-dispatcher-type", "mlp.experts needs the allgather or alltoall token dispatcher"
-    if tensor_parallel > 1 and not sequence_parallel:
-        return (
-            "--sequence-parallel",
-            "mlp.experts needs sequence parallelism with tensor parallelism (without it the dispatcher gathers "
-            "copies of the same tokens from the TP ranks)",
-        )
-    if capacity_factor is not None:
-        return (
-            "--moe-expert-capacity-factor",
-            "mlp.experts does not support token dropping (a dropped route's slot needs the pre-drop order)",
-        )
-    if latent_size is not None:
-        return "--moe-latent-size", "mlp.experts does not support latent experts (their rows are not hidden vectors)"
-    if padding_for_quantization:
-        return (
-            "--moe-router-padding-for-quantization",
-            "mlp.experts does not support routing padded for quantization (padding rows are not routes)",
-        )
-    return None
-
-
 def outputs_of_group(group: str, selected: frozenset[str]) -> list[str]:
     """The outputs of ``group`` that are among ``selected``, in catalog order."""
     return [o.name for o in OUTPUTS if o.group == group and o.name in selected]
