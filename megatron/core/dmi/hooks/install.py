@@ -58,7 +58,7 @@ class HookSet:
         if configs:
             why = groups.refusal(self.capture.config.hooks, ModelFacts.of_config(configs[0]))
             if why is not None:
-                raise UnsupportedModelError(f"{why[1]} ({why[0]})")
+                raise UnsupportedModelError(f"{why[0]}: {why[1]}")
         for module in chunk.modules():
             site_name = next((name for kind, name in _SITE_OF if isinstance(module, kind)), None)
             if site_name is None:
