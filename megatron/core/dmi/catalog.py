@@ -193,6 +193,17 @@ OUTPUTS: tuple[HookOutput, ...] = (
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.query_groups // m.tp, m.q_dim), m.model_itemsize),
     ),
     HookOutput(
+        "attn.out",
+        "attn",
+        "[s_local, b, h]",
+        "model dtype",
+        "Output of the layer's self-attention block (after the output projection, before its bias and the "
+        "residual add; opt-in): the attention's contribution to the residual stream, so resid.in of the next "
+        "layer is resid.in + attn.out + mlp.out (plus biases). Sequence parallelism shards dim 0 over TP ranks.",
+        opt_in=True,
+        local_shape=_hidden_per_token,
+    ),
+    HookOutput(
         "resid.in",
         "resid",
         "[s_local, b, h]",

@@ -97,3 +97,36 @@ def test_attention_outputs_match_their_meaning_taken_at_other_modules(megatron_c
             query, key = _query_key_from_layer_input(layer, layer_inputs[number], freqs, 4, groups or 4)
             assert torch.equal(records[(number, "attn.q")], query), number
             assert torch.equal(records[(number, "attn.k")], key), number
+
+
+def test_attention_block_output_is_the_projections_output_and_completes_the_residual_stream(megatron_cpu):
+    """attn.out is the output projection's output; with mlp.out it adds up the residual stream:
+    resid.in of layer 1 = resid.in + attn.out + mlp.out of layer 0 (no biases, no dropout), bitwise."""
+    model = tiny_gpt()
+    capture = capture_for("attn.out,resid.in,mlp.out")
+    HookSet(capture).attach(model)
+    projection_outputs = {}
+
+    def keep_projection_output(number):
+        def hook(module, args, output):
+            projection_outputs[number] = output[0].detach().clone()
+
+        return hook
+
+    for layer in model.decoder.layers:
+        layer.self_attention.linear_proj.register_forward_hook(keep_projection_output(layer.layer_number - 1))
+    capture.begin_step("train", 1)
+    model(*tokens(), attention_mask=None)
+    records = {(r.key.layer, r.key.output): r for r in capture.transport.take(100, 0)}
+    assert {o for _, o in records} == {"attn.out", "resid.in", "mlp.out"}
+    for number, want in projection_outputs.items():
+        assert torch.equal(records[(number, "attn.out")].tensor(), want), number
+    assert records[(0, "attn.out")].key.shape == (SEQ, BATCH, 32)
+    layer0 = {o: records[(0, o)].tensor() for o in ("resid.in", "attn.out", "mlp.out")}
+    assert torch.equal(records[(1, "resid.in")].tensor(), layer0["resid.in"] + layer0["attn.out"] + layer0["mlp.out"])
+
+
+def test_attention_block_output_is_opt_in():
+    from megatron.core.dmi.catalog import parse_hooks
+
+    assert "attn.out" not in parse_hooks("attn") and "attn.out" in parse_hooks("all")

@@ -1,5 +1,6 @@
 """Attention (``attn.*``): a forward hook on each layer's ``self_attention.core_attention`` sees the
-post-RoPE query and key (its inputs) and the context (its output), this rank's heads of each."""
+post-RoPE query and key (its inputs) and the context (its output), this rank's heads of each; one on
+``self_attention`` sees the block's output (``attn.out``)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def core_attention_of(module: TransformerLayer):
 
 
 def layer_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) -> None:
-    """attn.context, attn.q and attn.k of one layer, from its core attention's inputs and output."""
+    """attn.context, attn.q and attn.k of one layer, from its core attention's inputs and output, and
+    attn.out from its self-attention block's output."""
     core_attention = core_attention_of(module)
     if core_attention is None:
         return
@@ -33,5 +35,11 @@ def layer_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords)
         context = first(output)
         publish(hooks, layer, shards, context.shape[0], {"attn.context": context, "attn.q": args[0], "attn.k": args[1]})
 
+    def block_output(attention, args, output):
+        out = first(output)
+        publish(hooks, layer, shards, out.shape[0], {"attn.out": out})
+
     hooks.hold(core_attention.register_forward_hook(hook, with_kwargs=True))
+    if "attn.out" in hooks.capture.config.hooks:
+        hooks.hold(module.self_attention.register_forward_hook(block_output))
     hooks.placed(layer, GROUP)
