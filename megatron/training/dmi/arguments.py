@@ -171,28 +171,13 @@ def _ping(url: str) -> str | None:
         return str(getattr(exc, "reason", exc))
 
 
-def model_facts(args: argparse.Namespace) -> ModelFacts:
-    """The model facts the hook groups' refusal checks read, from Megatron's arguments."""
-    return ModelFacts(
-        moe=bool(args.num_experts),
-        mtp_layers=getattr(args, "mtp_num_layers", None) or 0,
-        dispatcher=args.moe_token_dispatcher_type,
-        tensor_parallel=args.tensor_model_parallel_size,
-        sequence_parallel=bool(args.sequence_parallel),
-        capacity_factor=args.moe_expert_capacity_factor,
-        latent_size=getattr(args, "moe_latent_size", None),
-        padding_for_quantization=bool(getattr(args, "moe_router_padding_for_quantization", False)),
-        shared_expert_overlap=bool(getattr(args, "moe_shared_expert_overlap", False)),
-    )
-
-
 def check_dmi_layout(args: argparse.Namespace) -> None:
     """Parallel layouts and model features DMI cannot capture correctly are refused before Megatron
     looks at them: context parallelism, and each selected hook group's own refusal (``groups.refusal``,
     which ``HookSet.attach`` runs too)."""
     if args.dmi_hooks and args.context_parallel_size > 1:
         _fail("--dmi-hooks", "context parallelism (--context-parallel-size > 1) is not supported by DMI yet")
-    why = groups.refusal(frozenset(args.dmi_hooks), model_facts(args))
+    why = groups.refusal(frozenset(args.dmi_hooks), ModelFacts.of(args))
     if why is not None:
         _fail(*why)
 

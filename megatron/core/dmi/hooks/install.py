@@ -56,7 +56,7 @@ class HookSet:
         coords = rank_coords(vpp=vpp)
         configs = [m.config for m in chunk.modules() if isinstance(m, (LanguageModule, TransformerLayer))]
         if configs:
-            why = groups.refusal(self.capture.config.hooks, ModelFacts.of_config(configs[0]))
+            why = groups.refusal(self.capture.config.hooks, ModelFacts.of(configs[0]))
             if why is not None:
                 raise UnsupportedModelError(f"{why[0]}: {why[1]}")
         for module in chunk.modules():

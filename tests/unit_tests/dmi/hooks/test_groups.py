@@ -87,7 +87,7 @@ def test_the_groups_without_constraints_refuse_nothing():
 
 def test_attach_refuses_what_the_flags_refuse(megatron_cpu):
     dense = tiny_gpt(num_experts=None)
-    assert groups.refusal(frozenset({"router.logits"}), ModelFacts.of_config(dense.config)) is not None
+    assert groups.refusal(frozenset({"router.logits"}), ModelFacts.of(dense.config)) is not None
     hooks = HookSet(capture_for("router"))
     with pytest.raises(UnsupportedModelError, match="--dmi-hooks: router outputs need a MoE model"):
         hooks.attach(dense)

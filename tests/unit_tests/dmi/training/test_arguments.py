@@ -14,12 +14,12 @@ import torch
 from megatron.core.dmi.catalog import parse_hooks
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.hooks import groups
+from megatron.core.dmi.hooks.groups.base import ModelFacts
 from megatron.training.dmi.arguments import (
     FLAG_FIELDS,
     add_dmi_args,
     check_dmi_layout,
     config_from_args,
-    model_facts,
     validate_dmi_args,
 )
 
@@ -245,7 +245,7 @@ def test_each_groups_refusal_names_the_flag_at_start_up(extra, flag, reason):
     args = _megatron_args(*extra)
     assert _exit_message(check_dmi_layout, args).startswith(f"error: argument {flag}: {reason}")
     if flag != "--dmi-hooks" or "context" not in reason:  # context parallelism concerns every group
-        assert groups.refusal(frozenset(args.dmi_hooks), model_facts(args))[0] == flag
+        assert groups.refusal(frozenset(args.dmi_hooks), ModelFacts.of(args))[0] == flag
 
 
 def test_a_supported_selection_passes_the_start_up_checks():

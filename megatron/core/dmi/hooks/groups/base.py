@@ -49,18 +49,20 @@ class ModelFacts:
     shared_expert_overlap: bool = False
 
     @classmethod
-    def of_config(cls, config) -> ModelFacts:
-        """The facts of a megatron-core TransformerConfig."""
+    def of(cls, settings) -> ModelFacts:
+        """The facts of a megatron-core TransformerConfig or of Megatron's parsed arguments: the same
+        names but the expert count (``num_moe_experts`` in the config, ``num_experts`` in the arguments)."""
+        experts = getattr(settings, "num_moe_experts", None) or getattr(settings, "num_experts", None)
         return cls(
-            moe=bool(config.num_moe_experts),
-            mtp_layers=getattr(config, "mtp_num_layers", None) or 0,
-            dispatcher=config.moe_token_dispatcher_type,
-            tensor_parallel=config.tensor_model_parallel_size,
-            sequence_parallel=bool(config.sequence_parallel),
-            capacity_factor=config.moe_expert_capacity_factor,
-            latent_size=getattr(config, "moe_latent_size", None),
-            padding_for_quantization=bool(getattr(config, "moe_router_padding_for_quantization", False)),
-            shared_expert_overlap=bool(getattr(config, "moe_shared_expert_overlap", False)),
+            moe=bool(experts),
+            mtp_layers=getattr(settings, "mtp_num_layers", None) or 0,
+            dispatcher=settings.moe_token_dispatcher_type,
+            tensor_parallel=settings.tensor_model_parallel_size,
+            sequence_parallel=bool(settings.sequence_parallel),
+            capacity_factor=settings.moe_expert_capacity_factor,
+            latent_size=getattr(settings, "moe_latent_size", None),
+            padding_for_quantization=bool(getattr(settings, "moe_router_padding_for_quantization", False)),
+            shared_expert_overlap=bool(getattr(settings, "moe_shared_expert_overlap", False)),
         )
 
 
