@@ -93,3 +93,40 @@ def test_attach_refuses_what_the_flags_refuse(megatron_cpu):
         hooks.attach(dense)
     hooks.remove()
     HookSet(capture_for("attn,resid,mlp")).attach(dense)  # the dense model's own groups attach
+
+
+def _module_state(model) -> list:
+    """Every module's hooks and instance attributes (a method wrapper is an instance attribute)."""
+    return [
+        (
+            name,
+            sorted(vars(m)),
+            list(m._forward_hooks),
+            list(m._forward_pre_hooks),
+            list(getattr(getattr(m, "token_dispatcher", None), "__dict__", {})),
+        )
+        for name, m in model.named_modules()
+    ]
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_every_group_attaches_and_remove_restores_every_module(megatron_cpu, dispatcher):
+    import megatron.core.transformer.moe.router as mcore_router
+
+    model = tiny_gpt(shared_expert_size=32, dispatcher=dispatcher)
+    before = _module_state(model)
+    token_dropping = mcore_router.apply_router_token_dropping
+    every_output = ",".join(catalog.BY_NAME)
+    hooks = HookSet(capture_for(every_output))
+    hooks.attach(model)
+    assert _module_state(model) != before
+    assert {g for groups_here in hooks.layers.values() for g in groups_here} == {
+        "router",
+        "attn",
+        "resid",
+        "mlp",
+        "grad",
+    }
+    hooks.remove()
+    assert _module_state(model) == before
+    assert mcore_router.apply_router_token_dropping is token_dropping
