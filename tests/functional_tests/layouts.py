@@ -62,7 +62,7 @@ BASE_ARGS = [
     "--attention-dropout",
     "0",
     "--dmi-hooks",
-    "router,attn,resid,mlp,loss,logits,grad",
+    "router,attn,attn.out,resid,mlp,loss,logits,grad",
 ]
 
 
@@ -93,7 +93,7 @@ class Layout:
                 skip = 1
                 continue
             args.append(a)
-        return args + ["--dmi-hooks", "attn,resid,mlp,loss,logits,grad"] + list(self.args)
+        return args + ["--dmi-hooks", "attn,attn.out,resid,mlp,loss,logits,grad"] + list(self.args)
 
     def value(self, flag: str, default: str | None = None) -> str | None:
         args = self.full_args()

@@ -114,7 +114,7 @@ layer_calls: collections.Counter = collections.Counter()
 
 
 def layer_oracles(layer_module):
-    """The layer's input hidden states, its MLP block's output and (last layer) its output, gathered
+    """The layer's input hidden states, its attention and MLP blocks' outputs and (last layer) its output, gathered
     over TP under sequence parallelism (each TP rank holds its own sequence shard)."""
     layer = layer_module.layer_number - 1
     sequence_parallel = layer_module.config.sequence_parallel
@@ -139,7 +139,11 @@ def layer_oracles(layer_module):
     def mlp_output(module, args, output):
         keep("mlp", "mlp.out", output[0], module)
 
+    def attention_output(module, args, output):
+        keep("attn_out", "attn.out", output[0], module)
+
     layer_module.register_forward_pre_hook(layer_input, with_kwargs=True)
+    layer_module.self_attention.register_forward_hook(attention_output)
     layer_module.mlp.register_forward_hook(mlp_output)
     if getattr(layer_module.mlp, "shared_experts", None) is not None:
         layer_module.mlp.shared_experts.register_forward_hook(

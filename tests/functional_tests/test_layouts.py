@@ -28,7 +28,7 @@ ROUTER = ("router.logits", "router.topk_ids", "router.topk_probs", "router.exper
 ALL = ROUTER + ("attn.context",)
 # compared wherever the oracle saw them: resid.out only at the last layer, router.weight only at
 # microbatch 0 of MoE layers (and stored by DP rank 0 only)
-RESID_MLP = ("resid.in", "resid.out", "mlp.out", "mlp.shared", "router.weight", "loss.token")
+RESID_MLP = ("resid.in", "resid.out", "attn.out", "mlp.out", "mlp.shared", "router.weight", "loss.token")
 LOGITS = ("logits.topk", "logits.target")  # merged from vocabulary shards: compared with plain torch
 GRAD = ("grad.router_logits", "grad.attn_context", "grad.resid_in")  # from plain backward hooks
 

@@ -1,5 +1,5 @@
 """The fused router-selection kernel (csrc/dmi/router_select.cu) on a real GPU: bit for bit the torch
-reference (hooks/router.py topk_view + expert_counts) for every dtype, ties, capacity drops and odd
+reference (hooks/groups/router.py topk_view + expert_counts) for every dtype, ties, capacity drops and odd
 values, and what it saves on the host (printed; JSON to $DMI_RESULTS_DIR if set).
 
 Run: tests/gpu/run_native_gpu.sh (or PYTHONPATH=. python -m pytest tests/gpu -q -s).
@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
 
-from megatron.core.dmi.hooks import router as rc  # noqa: E402
+from megatron.core.dmi.hooks.groups import router as rc  # noqa: E402
 from megatron.core.dmi.transport import jit  # noqa: E402
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.key import SITE_FIRING, Firing, ParallelCoords, RecordKey
 from megatron.core.dmi.records import dtype_name
 from megatron.core.dmi.transport.base import Transport, capturing_graph
@@ -57,6 +58,10 @@ def inside_backward() -> bool:
     "Grad enabled" is no test: full recompute runs the original forward without grad.
     """
     return torch._C._current_graph_task_id() != -1
+
+
+class ReplayWithoutOriginalError(DMIError, RuntimeError):
+    """A recompute replay fired for an (output, layer) whose original forward was never recorded."""
 
 
 @dataclass(frozen=True)
@@ -205,7 +210,9 @@ class Capture:
         microbatch, invocation = self.step.microbatch, 0
         if replaying:
             if not replay_queue:
-                raise RuntimeError(f"DMI: replay of {output} layer {layer} without a recorded original forward")
+                raise ReplayWithoutOriginalError(
+                    f"DMI: replay of {output} layer {layer} without a recorded original forward"
+                )
             microbatch, invocation = replay_queue.popleft(), 1
             self.stats.replays_recorded += 1
         elif self.config.record_replays:

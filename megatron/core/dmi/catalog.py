@@ -193,6 +193,17 @@ OUTPUTS: tuple[HookOutput, ...] = (
         local_shape=lambda m: ((m.seq_length, m.micro_batch, m.query_groups // m.tp, m.q_dim), m.model_itemsize),
     ),
     HookOutput(
+        "attn.out",
+        "attn",
+        "[s_local, b, h]",
+        "model dtype",
+        "Output of the layer's self-attention block (after the output projection, before its bias and the "
+        "residual add; opt-in): the attention's contribution to the residual stream, so resid.in of the next "
+        "layer is resid.in + attn.out + mlp.out (plus biases). Sequence parallelism shards dim 0 over TP ranks.",
+        opt_in=True,
+        local_shape=_hidden_per_token,
+    ),
+    HookOutput(
         "resid.in",
         "resid",
         "[s_local, b, h]",
@@ -450,50 +461,6 @@ def check_graph_support(hooks: frozenset[str]) -> None:
             f"{', '.join(data_sized)} cannot be captured under CUDA graphs (--cuda-graph-impl): its row count "
             "depends on the routing, and a graph replays fixed shapes; capture it in a run without CUDA graphs"
         )
-
-
-def experts_unsupported(
-    dispatcher_type: str,
-    tensor_parallel: int,
-    sequence_parallel: bool,
-    capacity_factor: float | None,
-    latent_size: int | None,
-    padding_for_quantization: bool = False,
-) -> tuple[str, str] | None:
-    """Why ``mlp.experts`` cannot be captured exactly in a configuration, or None when it can.
-
-    Args:
-        dispatcher_type: ``--moe-token-dispatcher-type``.
-        tensor_parallel: ``--tensor-model-parallel-size``.
-        sequence_parallel: ``--sequence-parallel``.
-        capacity_factor: ``--moe-expert-capacity-factor`` (None: no token dropping).
-        latent_size: ``--moe-latent-size`` (None: experts work in the hidden size).
-        padding_for_quantization: ``--moe-router-padding-for-quantization``.
-
-    Returns:
-        (the flag to change, the reason) or None.
-    """
-    if dispatcher_type not in ("allgather", "alltoall"):
-        return "--moe-token-dispatcher-type", "mlp.experts needs the allgather or alltoall token dispatcher"
-    if tensor_parallel > 1 and not sequence_parallel:
-        return (
-            "--sequence-parallel",
-            "mlp.experts needs sequence parallelism with tensor parallelism (without it the dispatcher gathers "
-            "copies of the same tokens from the TP ranks)",
-        )
-    if capacity_factor is not None:
-        return (
-            "--moe-expert-capacity-factor",
-            "mlp.experts does not support token dropping (a dropped route's slot needs the pre-drop order)",
-        )
-    if latent_size is not None:
-        return "--moe-latent-size", "mlp.experts does not support latent experts (their rows are not hidden vectors)"
-    if padding_for_quantization:
-        return (
-            "--moe-router-padding-for-quantization",
-            "mlp.experts does not support routing padded for quantization (padding rows are not routes)",
-        )
-    return None
 
 
 def outputs_of_group(group: str, selected: frozenset[str]) -> list[str]:

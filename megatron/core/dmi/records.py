@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.key import ITEM_SIZE, PHASES, ParallelCoords, RecordKey
 
 if TYPE_CHECKING:
@@ -44,12 +45,18 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+class UnsupportedDtypeError(DMIError, TypeError):
+    """A tensor's dtype is not one DMI records (``ITEM_SIZE`` lists them)."""
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    """The name of a torch dtype in the tables; ``TypeError`` for a dtype DMI does not capture."""
+    """The name of a torch dtype in the tables; ``UnsupportedDtypeError`` for a dtype DMI does not capture."""
     try:
         return _names_by_dtype()[dtype]
     except KeyError:
-        raise TypeError(f"DMI cannot capture tensors of dtype {dtype}") from None
+        raise UnsupportedDtypeError(
+            f"DMI cannot capture tensors of dtype {dtype} (it records {', '.join(ITEM_SIZE)})"
+        ) from None
 
 
 @dataclass

@@ -20,15 +20,10 @@ from dataclasses import Field, fields
 
 from megatron.training.argument_utils import ArgumentGroupFactory
 
-from megatron.core.dmi.catalog import (
-    BY_NAME,
-    ModelShape,
-    UnsupportedUnderGraphsError,
-    check_graph_support,
-    experts_unsupported,
-    record_bytes,
-)
+from megatron.core.dmi.catalog import ModelShape, UnsupportedUnderGraphsError, check_graph_support, record_bytes
 from megatron.core.dmi.config import CaptureWindowError, DMIConfig
+from megatron.core.dmi.hooks import groups
+from megatron.core.dmi.hooks.groups.base import ModelFacts
 from megatron.core.dmi.sinks.backend import PASSWORD_ENV
 
 NOT_FLAGS = ("clickhouse_password",)
@@ -177,28 +172,14 @@ def _ping(url: str) -> str | None:
 
 
 def check_dmi_layout(args: argparse.Namespace) -> None:
-    """Parallel layouts and model features DMI cannot capture correctly are refused before Megatron looks at them."""
+    """Parallel layouts and model features DMI cannot capture correctly are refused before Megatron
+    looks at them: context parallelism, and each selected hook group's own refusal (``groups.refusal``,
+    which ``HookSet.attach`` runs too)."""
     if args.dmi_hooks and args.context_parallel_size > 1:
         _fail("--dmi-hooks", "context parallelism (--context-parallel-size > 1) is not supported by DMI yet")
-    if any(BY_NAME[o].group == "logits" for o in args.dmi_hooks) and getattr(args, "mtp_num_layers", None):
-        _fail("--dmi-hooks", "logits outputs are not supported with multi-token prediction (--mtp-num-layers)")
-    if "mlp.experts" in args.dmi_hooks:
-        why = experts_unsupported(
-            args.moe_token_dispatcher_type,
-            args.tensor_model_parallel_size,
-            bool(args.sequence_parallel),
-            args.moe_expert_capacity_factor,
-            getattr(args, "moe_latent_size", None),
-            bool(getattr(args, "moe_router_padding_for_quantization", False)),
-        )
-        if why is not None:
-            _fail(why[0], why[1])
-    if "mlp.shared" in args.dmi_hooks and getattr(args, "moe_shared_expert_overlap", False):
-        _fail(
-            "--dmi-hooks",
-            "mlp.shared is not supported with --moe-shared-expert-overlap (the shared expert runs "
-            "inside the token dispatcher there)",
-        )
+    why = groups.refusal(frozenset(args.dmi_hooks), ModelFacts.of(args))
+    if why is not None:
+        _fail(*why)
 
 
 def validate_dmi_args(args: argparse.Namespace) -> None:
@@ -206,9 +187,6 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
     if not args.dmi_hooks:
         return
     shape = model_shape(args)
-    # router.weight (group resid) just has no layer to record on a dense model
-    if any(BY_NAME[o].group == "router" for o in args.dmi_hooks) and not args.num_experts:
-        _fail("--dmi-hooks", "router outputs need a MoE model (--num-experts)")
     beyond = [layer for layer in args.dmi_layers or () if layer >= args.num_layers]
     if beyond:
         _fail(

@@ -82,3 +82,24 @@ def test_module_level_checkpoints(megatron_cpu, kind, record_replays):
     assert [r.key.invocation for r in records] == ([0, 1] if record_replays else [0])
     if record_replays:
         assert records[0].payload == records[1].payload
+
+
+def test_a_replay_without_its_original_forward_is_named(megatron_cpu):
+    """A firing inside backward is a recompute replay; with record_replays it needs the original
+    forward's microbatch, and one never recorded is an error naming the output and layer."""
+    from megatron.core.dmi.capture import Placement, ReplayWithoutOriginalError
+    from megatron.core.dmi.errors import DMIError
+    from megatron.core.dmi.key import ParallelCoords
+
+    capture = capture_for("attn.context", record_replays=True)
+    capture.begin_step("train", 1)
+    x = torch.randn(4, 3, requires_grad=True)
+    y = x * 2
+
+    def publish_in_backward(grad):
+        capture.publish_all(3, ParallelCoords(), Placement(0, 4, 4), {"attn.context": grad.detach()})
+
+    y.register_hook(publish_in_backward)
+    with pytest.raises(ReplayWithoutOriginalError, match="replay of attn.context layer 3 without a recorded original"):
+        y.sum().backward()
+    assert issubclass(ReplayWithoutOriginalError, DMIError)

@@ -146,20 +146,3 @@ def test_logits_and_loss_shapes():
     assert catalog.producers_per_replica("loss.token", 2, True) == 1
     assert catalog.producers_per_replica("logits.topk", 2, True) == 2
     assert catalog.parse_hooks("logits") == {"logits.topk", "logits.target"}
-
-
-@pytest.mark.parametrize(
-    "config,flag",
-    [
-        (("flex", 1, False, None, None), "--moe-token-dispatcher-type"),
-        (("allgather", 2, False, None, None), "--sequence-parallel"),
-        (("allgather", 1, False, 1.0, None), "--moe-expert-capacity-factor"),
-        (("allgather", 1, False, None, 16), "--moe-latent-size"),
-        (("alltoall", 1, False, None, None, True), "--moe-router-padding-for-quantization"),
-    ],
-)
-def test_expert_rows_refusals_name_the_flag(config, flag):
-    assert catalog.experts_unsupported(*config)[0] == flag
-    assert catalog.experts_unsupported("allgather", 1, False, None, None) is None
-    assert catalog.experts_unsupported("allgather", 2, True, None, None) is None  # TP with SP, any EP/ETP
-    assert catalog.experts_unsupported("alltoall", 2, True, None, None) is None

@@ -1,8 +1,16 @@
 import pytest
 import torch
 
+from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.key import ParallelCoords, RecordKey
-from megatron.core.dmi.records import DTYPE_BY_NAME, Record, dtype_name, records_to_table, tensor_to_payload
+from megatron.core.dmi.records import (
+    DTYPE_BY_NAME,
+    Record,
+    UnsupportedDtypeError,
+    dtype_name,
+    records_to_table,
+    tensor_to_payload,
+)
 from tests.unit_tests.dmi.tables import table_to_records
 
 
@@ -50,8 +58,9 @@ def test_non_contiguous_tensor_is_captured_in_logical_order():
 
 
 def test_unsupported_dtype_is_named():
-    with pytest.raises(TypeError, match="complex64"):
+    with pytest.raises(UnsupportedDtypeError, match=r"complex64 \(it records .*bfloat16"):
         dtype_name(torch.complex64)
+    assert issubclass(UnsupportedDtypeError, (DMIError, TypeError))
 
 
 def test_every_dtype_name_round_trips():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron.core.dmi.hooks import HookSet
-from megatron.core.dmi.hooks.install import vocabulary_views
+from megatron.core.dmi.hooks.groups.logits import vocabulary_views
 from megatron.core.dmi.reader.reconstruct import merge_log_softmax, merge_topk
 from tests.unit_tests.dmi.hooks.model_fixtures import BATCH, SEQ, VOCAB, capture_for, tiny_gpt, tokens
 

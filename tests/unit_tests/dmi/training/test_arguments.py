@@ -5,13 +5,23 @@ import argparse
 import contextlib
 import dataclasses
 import io
+import sys
+from unittest import mock
 
 import pytest
 import torch
 
 from megatron.core.dmi.catalog import parse_hooks
 from megatron.core.dmi.config import DMIConfig
-from megatron.training.dmi.arguments import FLAG_FIELDS, add_dmi_args, config_from_args
+from megatron.core.dmi.hooks import groups
+from megatron.core.dmi.hooks.groups.base import ModelFacts
+from megatron.training.dmi.arguments import (
+    FLAG_FIELDS,
+    add_dmi_args,
+    check_dmi_layout,
+    config_from_args,
+    validate_dmi_args,
+)
 
 PASSWORD_FILE_FLAG = "--dmi-clickhouse-password-file"
 
@@ -157,3 +167,86 @@ def test_an_end_before_the_start_stops_with_the_end_flag_named():
     with pytest.raises(SystemExit) as e:
         config_from_args(ns)
     assert str(e.value.code) == "error: argument --dmi-end-iter: 3 is before --dmi-start-iter 5"
+
+
+def _megatron_args(*extra: str) -> argparse.Namespace:
+    """Megatron's own parse of the tiny MoE model's arguments plus ``extra``, with the DMI group."""
+    from megatron.training.arguments import parse_args
+
+    from tests.functional_tests.launch import tiny_moe_args
+
+    with mock.patch.object(sys, "argv", ["pretrain_gpt.py", *tiny_moe_args(), *extra]):
+        return parse_args(extra_args_provider=add_dmi_args, ignore_unknown_args=False)
+
+
+def _exit_message(check, args) -> str:
+    with pytest.raises(SystemExit) as e:
+        check(args)
+    return str(e.value.code)
+
+
+# resid.in of the tiny model: [32, 2, 64] per microbatch, 8,192 bytes in bf16 and 16,384 in fp32; the
+# ring below (13,107 bytes) holds the first and not the second.
+@pytest.mark.parametrize("hook", ["resid.in", "resid.out", "grad.resid_in"])
+def test_the_ring_size_check_uses_the_fp32_residual_stream(tmp_path, hook):
+    common = ("--bf16", "--dmi-hooks", hook, "--dmi-ring-mb", "0.0125", "--dmi-store-dir", str(tmp_path))
+    validate_dmi_args(_megatron_args(*common))
+    message = _exit_message(validate_dmi_args, _megatron_args(*common, "--fp32-residual-connection"))
+    assert message == (
+        "error: argument --dmi-ring-mb: 0.0125 MiB cannot hold one record of 16384 bytes; use at least 0.02"
+    )
+
+
+def test_the_sub_layer_outputs_stay_in_the_model_dtype_with_an_fp32_residual_stream(tmp_path):
+    validate_dmi_args(
+        _megatron_args(
+            "--bf16",
+            "--fp32-residual-connection",
+            "--dmi-hooks",
+            "mlp.out",
+            "--dmi-ring-mb",
+            "0.0125",
+            "--dmi-store-dir",
+            str(tmp_path),
+        )
+    )
+
+
+# (extra arguments, the flag named, the reason's start): each group's refusal, as the flags see it
+REFUSED = [
+    (("--dmi-hooks", "router", "--num-experts", "0"), "--dmi-hooks", "router outputs need a MoE model"),
+    (("--dmi-hooks", "logits", "--mtp-num-layers", "1"), "--dmi-hooks", "logits outputs are not supported"),
+    (
+        ("--dmi-hooks", "mlp.experts", "--moe-expert-capacity-factor", "1.0"),
+        "--moe-expert-capacity-factor",
+        "mlp.experts does not support token dropping",
+    ),
+    (
+        ("--dmi-hooks", "mlp.experts", "--moe-token-dispatcher-type", "flex"),
+        "--moe-token-dispatcher-type",
+        "mlp.experts needs the allgather or alltoall",
+    ),
+    (
+        ("--dmi-hooks", "mlp.experts", "--tensor-model-parallel-size", "2"),
+        "--sequence-parallel",
+        "mlp.experts needs sequence parallelism",
+    ),
+    (
+        ("--dmi-hooks", "mlp.shared", "--moe-shared-expert-overlap"),
+        "--dmi-hooks",
+        "mlp.shared is not supported with --moe-shared-expert-overlap",
+    ),
+    (("--dmi-hooks", "attn", "--context-parallel-size", "2"), "--dmi-hooks", "context parallelism"),
+]
+
+
+@pytest.mark.parametrize("extra,flag,reason", REFUSED, ids=[" ".join(e) for e, _, _ in REFUSED])
+def test_each_groups_refusal_names_the_flag_at_start_up(extra, flag, reason):
+    args = _megatron_args(*extra)
+    assert _exit_message(check_dmi_layout, args).startswith(f"error: argument {flag}: {reason}")
+    if flag != "--dmi-hooks" or "context" not in reason:  # context parallelism concerns every group
+        assert groups.refusal(frozenset(args.dmi_hooks), ModelFacts.of(args))[0] == flag
+
+
+def test_a_supported_selection_passes_the_start_up_checks():
+    check_dmi_layout(_megatron_args("--dmi-hooks", "all,mlp.experts,logits.full,grad"))

@@ -1,19 +1,29 @@
-"""Router capture: logits, top-k ids with dropped-route sentinels, top-k weights, expert counts.
+"""Router (``router.*``): logits, top-k ids with dropped-route sentinels, top-k weights, expert counts.
 
-TopKRouter.routing(logits) returns post-capacity-drop (probs, routing_map) as dense [tokens, E]
-tensors. The pre-drop selection is seen by wrapping megatron-core's token-dropping function for
-the duration of the wrapped ``routing`` call.
+The TopKRouter instance's ``routing`` is wrapped: its input is the gating logits, and it returns
+the post-capacity-drop (probs, routing_map) as dense [tokens, E] tensors. The pre-drop selection is
+seen by wrapping megatron-core's token-dropping function while the hooks are installed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+from typing import TYPE_CHECKING
 
 import megatron.core.transformer.moe.router as mcore_router
 import torch
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron.core.dmi.hooks.groups.base import ModelFacts, Refusal, Shards, publish
+from megatron.core.dmi.key import ParallelCoords
 from megatron.core.dmi.transport import jit
+
+if TYPE_CHECKING:
+    from megatron.core.dmi.hooks.install import HookSet
+
+GROUP = "router"
 
 _pre_drop = threading.local()
 _original_token_dropping = mcore_router.apply_router_token_dropping
@@ -119,3 +129,46 @@ def topk_view(
 def expert_counts(routing_map: torch.Tensor, pre_map: torch.Tensor) -> torch.Tensor:
     """[2, E]: tokens per expert before (row 0) and after (row 1) capacity dropping."""
     return torch.stack([pre_map.sum(0), routing_map.sum(0)]).to(torch.int32)
+
+
+def refusal(outputs: frozenset[str], facts: ModelFacts) -> Refusal | None:
+    """A dense model has no router to record."""
+    if not facts.moe:
+        return "--dmi-hooks", "router outputs need a MoE model (--num-experts)"
+    return None
+
+
+def layer_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) -> None:
+    """router.* of one MoE layer: its TopKRouter's ``routing`` wrapped until ``HookSet.remove``."""
+    router = getattr(getattr(module, "mlp", None), "router", None)
+    if not isinstance(router, TopKRouter):
+        return
+    layer = module.layer_number - 1
+    original = router.routing
+    shards = Shards.of(router.config, coords)
+
+    def routing(logits: torch.Tensor, *args, **kwargs):
+        probs, routing_map = original(logits, *args, **kwargs)
+        pre = take_pre_drop()
+        if hooks.capture.idle:
+            return probs, routing_map
+        flat_logits = logits.reshape(-1, logits.shape[-1])
+        pre_probs, pre_map = pre if pre is not None else (probs, routing_map)
+        cached = {}
+
+        def selection():
+            if "v" not in cached:
+                cached["v"] = select(probs, routing_map, pre_probs, pre_map, router.topk)
+            return cached["v"]
+
+        values = {
+            "router.logits": flat_logits,
+            "router.topk_ids": lambda: selection()[0],
+            "router.topk_probs": lambda: selection()[1],
+            "router.expert_counts": lambda: selection()[2],
+        }
+        publish(hooks, layer, shards, flat_logits.shape[0], values)
+        return probs, routing_map
+
+    hooks.wrap(router, "routing", routing)
+    hooks.placed(layer, GROUP)

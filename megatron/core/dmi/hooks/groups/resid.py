@@ -1,0 +1,71 @@
+"""Residual stream (``resid.*``, ``router.weight``): the layer input at each layer's input norm, the
+last layer's output at the block's final norm, and the routers' weights once per iteration."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron.core.dmi.hooks.groups.base import Shards, publish
+from megatron.core.dmi.key import ParallelCoords
+
+if TYPE_CHECKING:
+    from megatron.core.dmi.hooks.install import HookSet
+
+GROUP = "resid"
+
+
+def layer_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) -> None:
+    """resid.in from a forward pre-hook on the layer's input norm (IdentityOp when the norm is fused
+    into the QKV projection)."""
+    # The layer's own pre-hook would not fire when megatron-core replays the layer as a CUDA graph;
+    # its input norm is called inside the layer with exactly the hidden states the layer received.
+    layer = module.layer_number - 1
+    shards = Shards.of(module.config, coords)
+
+    def hook(norm, args):
+        publish(hooks, layer, shards, args[0].shape[0], {"resid.in": args[0]})
+
+    hooks.hold(module.input_layernorm.register_forward_pre_hook(hook))
+    hooks.placed(layer, GROUP)
+
+
+def block_site(hooks: HookSet, block: TransformerBlock, coords: ParallelCoords) -> None:
+    """resid.out at the final norm of the block holding the model's last layer, and router.weight of
+    the block's MoE layers once per iteration (microbatch 0; producers "one": the router weight is
+    replicated over TP, EP and DP)."""
+    capture = hooks.capture
+    shards = Shards.of(block.config, coords)
+    last = [m for m in block.layers if m.layer_number == block.config.num_layers]
+    if last:
+        layer = last[0].layer_number - 1
+        if block.final_layernorm is not None:
+
+            def norm_input(norm, args):
+                publish(hooks, layer, shards, args[0].shape[0], {"resid.out": args[0]})
+
+            hooks.hold(block.final_layernorm.register_forward_pre_hook(norm_input))
+        else:  # no final norm: the last layer's output is the block's output
+
+            def layer_output(module, args, output):
+                publish(hooks, layer, shards, output[0].shape[0], {"resid.out": output[0]})
+
+            hooks.hold(last[0].register_forward_hook(layer_output))
+    routers = {
+        m.layer_number - 1: m.mlp.router
+        for m in block.layers
+        if isinstance(getattr(getattr(m, "mlp", None), "router", None), TopKRouter)
+    }
+    if not routers or shards.placement("router.weight", 1) is None:
+        return
+
+    def publish_weights(module, args, kwargs):
+        if capture.idle or capture.step.microbatch != 0:
+            return
+        for layer, router in routers.items():
+            publish(hooks, layer, shards, router.weight.shape[0], {"router.weight": router.weight.detach()})
+
+    hooks.hold(block.register_forward_pre_hook(publish_weights, with_kwargs=True))
