@@ -7,134 +7,27 @@ naming the flag, before any process group exists."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import sys
-from unittest import mock
 
 import pytest
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_decoder_block_spec,
-    get_gpt_decoder_layer_specs,
-    get_gpt_layer_local_spec,
-    get_gpt_mtp_block_spec,
-)
 from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import get_gpt_heterogeneous_layer_spec
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.torch_norm import L2Norm
-from megatron.training.arguments import parse_args, validate_args
 
-from megatron.training import global_vars
-from megatron.training.dmi import entry, model_flags
-from megatron.training.dmi.model_provider import model_provider, transformer_config
-from tests.functional_tests.launch import tiny_moe_args
-from tests.unit_tests.dmi.megatron_cpu import megatron_on_cpu
-
-MOE_ONLY = {"--num-experts": 1, "--moe-router-topk": 1, "--moe-token-dispatcher-type": 1}
-
-
-def _dense_args() -> list[str]:
-    """The tiny MoE model of the other entry tests without its experts."""
-    args, out = tiny_moe_args(), []
-    skip = 0
-    for a in args:
-        if skip:
-            skip -= 1
-        elif a in MOE_ONLY:
-            skip = MOE_ONLY[a]
-        else:
-            out.append(a)
-    return out
-
-
-DENSE = _dense_args()
-MOE = tiny_moe_args()
-
-
-def _parse(argv: list[str]):
-    with mock.patch.object(sys, "argv", ["pretrain_gpt.py", *argv, "--cpu-dev-mode"]):
-        return parse_args(entry.extra_args_provider(model_flags.add_modelopt_args))
-
-
-@contextlib.contextmanager
-def megatron_args(argv: list[str]):
-    """Megatron's validated arguments for ``argv`` as the global args, in a one-process CPU world."""
-    args = _parse(argv)
-    assert model_flags.check_model_flags(args, cpu=True) == []
-    # --deterministic-mode's check wants an NCCL algorithm (gloo ignores it), as the CPU mode sets
-    with megatron_on_cpu(), mock.patch.dict(os.environ, {"NCCL_ALGO": "Ring"}):
-        validate_args(args, {})
-        args.padded_vocab_size = args.vocab_size  # 128: already a multiple of 128 at TP 1
-        global_vars.set_args(args)
-        try:
-            yield args
-        finally:
-            global_vars.set_args(None)
-
-
-def entry_model(argv: list[str]) -> tuple[GPTModel, object]:
-    """The model the entry's provider builds for ``argv``, and the transformer config it used."""
-    with megatron_args(argv) as args:
-        torch.manual_seed(0)
-        return model_provider(), transformer_config(args)
-
-
-def upstream_model(argv: list[str], spec_of, mtp_of=None) -> GPTModel:
-    """The model upstream's builder gives: the GPTModel arguments it passes, with the spec
-    ``spec_of(args, config)`` (and MTP block ``mtp_of(args, config)``) from megatron-core's spec functions."""
-    with megatron_args(argv) as args:
-        config = transformer_config(args)
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=spec_of(args, config),
-            vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_percent=args.rotary_percent,
-            rotary_base=args.rotary_base,
-            rope_scaling=args.use_rope_scaling,
-            mtp_block_spec=mtp_of(args, config) if mtp_of else None,
-        )
-
-
-def structure(model: torch.nn.Module) -> tuple[list[tuple[str, str]], int]:
-    """Every module by name and type, and the parameter count."""
-    return [(n, type(m).__name__) for n, m in model.named_modules()], sum(p.numel() for p in model.parameters())
-
-
-def assert_same_model(argv: list[str], spec_of, mtp_of=None) -> GPTModel:
-    ours, _ = entry_model(argv)
-    expected = upstream_model(argv, spec_of, mtp_of)
-    assert structure(ours) == structure(expected)
-    return ours
-
-
-def _moe_block(args, config):
-    return get_gpt_decoder_block_spec(
-        config, use_transformer_engine=False, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm
-    )
-
-
-def _local_layer(args, config):
-    return get_gpt_layer_local_spec(
-        config.num_moe_experts,
-        config.moe_grouped_gemm,
-        config.qk_layernorm,
-        config.multi_latent_attention,
-        normalization=config.normalization,
-    )
-
-
-def _mtp_block(args, config):
-    last = get_gpt_decoder_layer_specs(
-        config, use_transformer_engine=False, normalization=args.normalization, qk_l2_norm=args.qk_l2_norm
-    )[-1]
-    return get_gpt_mtp_block_spec(config, last, use_transformer_engine=False)
+from megatron.training.dmi import model_flags
+from tests.unit_tests.dmi.training.parity_models import (
+    DENSE,
+    MOE,
+    assert_same_model,
+    entry_model,
+    local_layer,
+    moe_block,
+    mtp_block,
+    parse,
+)
 
 
 def _attention_norms(model: GPTModel) -> set[type]:
@@ -145,14 +38,14 @@ def _attention_norms(model: GPTModel) -> set[type]:
     }
 
 
-def test_qk_l2_norm_on_the_moe_block_spec():
-    model = assert_same_model([*MOE, "--qk-l2-norm"], _moe_block)
+def test_qk_l2_norm_on_themoe_block_spec():
+    model = assert_same_model([*MOE, "--qk-l2-norm"], moe_block)
     assert _attention_norms(model) == {L2Norm}
 
 
 def test_qk_l2_norm_on_the_local_dense_spec_is_not_applied_as_upstream():
     # upstream's dense local spec is not given --qk-l2-norm: q/k stay identities
-    model = assert_same_model([*DENSE, "--qk-l2-norm"], _local_layer)
+    model = assert_same_model([*DENSE, "--qk-l2-norm"], local_layer)
     assert _attention_norms(model) == {IdentityOp}
 
 
@@ -164,7 +57,7 @@ def test_qk_l2_norm_on_the_local_dense_spec_is_not_applied_as_upstream():
     ],
 )
 def test_moe_layer_pattern_and_norms_take_the_decoder_block_spec(flags):
-    model = assert_same_model([*MOE, *flags], _moe_block)
+    model = assert_same_model([*MOE, *flags], moe_block)
     assert [type(layer.mlp).__name__ for layer in model.decoder.layers] == ["MoELayer", "MLP"]
 
 
@@ -175,13 +68,13 @@ def test_moe_layer_pattern_and_norms_take_the_decoder_block_spec(flags):
         ["--qk-layernorm", "--group-query-attention", "--num-query-groups", "2"],
     ],
 )
-def test_dense_local_layer_spec(flags):
-    assert_same_model([*DENSE, *flags], _local_layer)
+def test_denselocal_layer_spec(flags):
+    assert_same_model([*DENSE, *flags], local_layer)
 
 
 def test_use_rope_scaling_scales_the_rotary_frequencies():
     rope = ["--position-embedding-type", "rope"]
-    scaled = assert_same_model([*DENSE, *rope, "--use-rope-scaling"], _local_layer)
+    scaled = assert_same_model([*DENSE, *rope, "--use-rope-scaling"], local_layer)
     plain, _ = entry_model([*DENSE, *rope])
     dim = 64 // 4
     expected = RotaryEmbedding(dim, 1.0, rope_scaling=True, use_cpu_initialization=True).inv_freq
@@ -190,8 +83,8 @@ def test_use_rope_scaling_scales_the_rotary_frequencies():
 
 
 def test_spec_module_name_is_imported():
-    spec = ["--spec", "tests.unit_tests.dmi.training.parity_specs", "QK_LAYERNORM_LAYER"]
-    from tests.unit_tests.dmi.training.parity_specs import QK_LAYERNORM_LAYER
+    spec = ["--spec", "tests.unit_tests.dmi.training.parity_models", "QK_LAYERNORM_LAYER"]
+    from tests.unit_tests.dmi.training.parity_models import QK_LAYERNORM_LAYER
 
     model = assert_same_model([*DENSE, *spec], lambda args, config: QK_LAYERNORM_LAYER)
     assert IdentityOp not in _attention_norms(model)
@@ -227,16 +120,16 @@ def test_heterogeneous_layers_config_builds_per_layer_specs(tmp_path):
 
 
 @pytest.mark.parametrize("base", [DENSE, MOE], ids=["dense", "moe"])
-def test_mtp_num_layers_builds_the_mtp_block(base):
+def test_mtp_num_layers_builds_themtp_block(base):
     flags = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
-    spec_of = _moe_block if base is MOE else _local_layer
-    model = assert_same_model([*base, *flags], spec_of, _mtp_block)
+    spec_of = moe_block if base is MOE else local_layer
+    model = assert_same_model([*base, *flags], spec_of, mtp_block)
     assert len(model.mtp.layers) == 1
 
 
 def _refusal(argv: list[str], cpu: bool = True) -> str:
     with pytest.raises(SystemExit) as exc:
-        model_flags.check_model_flags(_parse(argv), cpu=cpu)
+        model_flags.check_model_flags(parse(argv), cpu=cpu)
     return str(exc.value)
 
 
@@ -244,7 +137,7 @@ REFUSALS = {
     "legacy model": (["--use-legacy-models"], "--use-legacy-models", "megatron.legacy"),
     "spec of one value": (["--spec", "local"], "--spec", "two values"),
     "spec module missing": (["--spec", "no_such_module_xyz", "SPEC"], "--spec", "cannot import no_such_module_xyz"),
-    "spec name missing": (["--spec", "tests.unit_tests.dmi.training.parity_specs", "NOPE"], "--spec", "has no NOPE"),
+    "spec name missing": (["--spec", "tests.unit_tests.dmi.training.parity_models", "NOPE"], "--spec", "has no NOPE"),
     "experimental attention on local": (
         ["--experimental-attention-variant", "gated_delta_net"],
         "--experimental-attention-variant",
@@ -278,8 +171,8 @@ def test_refusal_is_one_line_naming_the_flag(case):
 
 def test_mtp_with_inference_optimized_is_refused_as_upstream_asserts():
     # with Transformer Engine missing the backend is refused first; the MTP check follows it
-    args = _parse(
-        [*DENSE, "--mtp-num-layers", "1", "--spec", "tests.unit_tests.dmi.training.parity_specs", "QK_LAYERNORM_LAYER"]
+    args = parse(
+        [*DENSE, "--mtp-num-layers", "1", "--spec", "tests.unit_tests.dmi.training.parity_models", "QK_LAYERNORM_LAYER"]
     )
     args.transformer_impl = "inference_optimized"
     with pytest.raises(SystemExit, match="argument --mtp-num-layers: .*inference_optimized"):
@@ -288,7 +181,7 @@ def test_mtp_with_inference_optimized_is_refused_as_upstream_asserts():
 
 def test_modelopt_flags_parse_and_say_they_have_no_effect_without_modelopt():
     flags = ["--export-te-mcore-model", "--export-kd-teacher-load", "/teacher", "--export-kd-cfg", "kd.yaml"]
-    notices = model_flags.check_model_flags(_parse([*DENSE, *flags]), cpu=True)
+    notices = model_flags.check_model_flags(parse([*DENSE, *flags]), cpu=True)
     assert notices == [
         "argument --export-te-mcore-model, --export-kd-teacher-load, --export-kd-cfg: no effect: nvidia-modelopt "
         "is not installed (upstream's entry then builds and trains the plain model too)"
@@ -297,6 +190,6 @@ def test_modelopt_flags_parse_and_say_they_have_no_effect_without_modelopt():
 
 def test_rope_scaling_factor_is_accepted_and_said_to_have_no_effect():
     notices = model_flags.check_model_flags(
-        _parse([*DENSE, "--use-rope-scaling", "--rope-scaling-factor", "16"]), cpu=True
+        parse([*DENSE, "--use-rope-scaling", "--rope-scaling-factor", "16"]), cpu=True
     )
     assert len(notices) == 1 and notices[0].startswith("argument --rope-scaling-factor: has no effect")
