@@ -18,16 +18,20 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.torch_norm import L2Norm
 
 from megatron.training.dmi import model_flags
+from megatron.training.dmi.model_provider import get_embedding_ranks
 from tests.unit_tests.dmi.training.parity_models import (
     DENSE,
     MOE,
     assert_same_model,
     entry_model,
     local_layer,
+    megatron_args,
     moe_block,
     mtp_block,
     parse,
 )
+
+MTP = ["--mtp-num-layers", "1"]
 
 
 def _attention_norms(model: GPTModel) -> set[type]:
@@ -193,3 +197,17 @@ def test_rope_scaling_factor_is_accepted_and_said_to_have_no_effect():
         parse([*DENSE, "--use-rope-scaling", "--rope-scaling-factor", "16"]), cpu=True
     )
     assert len(notices) == 1 and notices[0].startswith("argument --rope-scaling-factor: has no effect")
+
+
+@pytest.mark.parametrize(
+    "flags, ranks",
+    [
+        ([], [0, 8]),  # tied: the output layer on the last stage shares the embedding
+        (["--untie-embeddings-and-output-weights"], [0]),
+        (["--untie-embeddings-and-output-weights", *MTP], [0, 8]),  # MTP embeds on the last stage
+    ],
+)
+def test_embedding_ranks_of_a_pipeline(flags, ranks):
+    with megatron_args([*MOE, "--position-embedding-type", "rope", *flags]):
+        assert get_embedding_ranks([0, 4, 8]) == ranks
+        assert get_embedding_ranks([3]) == [3]
