@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from tests.functional_tests.launch import REPO, dump_store, run_pretrain, tiny_moe_args
+from tests.functional_tests.launch import dump_store, run_pretrain, tiny_moe_args
 from tests.unit_tests.dmi.training.parity_models import MOE, moe_block, mtp_block, structure, upstream_model
 
 ITERS, MICROBATCHES, LAYERS = 4, 2, 2
@@ -72,14 +70,8 @@ def test_dmi_captures_every_decoder_layer_once_and_not_the_mtp_layers(run):
 
 
 def test_a_model_flag_refusal_stops_the_entry_in_one_line(tmp_path):
-    p = subprocess.run(
-        [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny_moe_args(), "--cpu-dev-mode"]
-        + ["--experimental-attention-variant", "gated_delta_net"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=120,
-    )
+    refused = ["--experimental-attention-variant", "gated_delta_net"]
+    p = run_pretrain(tiny_moe_args() + refused, str(tmp_path), oracle=False, check=False)
     out = p.stdout + p.stderr
     assert p.returncode != 0
     errors = [line for line in out.splitlines() if line.startswith("error: argument --experimental-attention-variant")]
