@@ -78,7 +78,7 @@ def check_model_flags(args: argparse.Namespace, cpu: bool) -> list[str]:
         cpu: whether the run is in CPU development mode.
 
     Returns:
-        One line per accepted flag that has no effect (as in upstream's entry).
+        The lines to print about accepted flags that have no effect (as in upstream's entry).
 
     Raises:
         SystemExit: one line naming the flag and why.
