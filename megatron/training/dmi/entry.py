@@ -55,7 +55,7 @@ def _validate_dmi_after_megatron() -> None:
     mt_init.validate_args = validate
 
 
-def _parse_up_front(argv: list[str]) -> None:
+def _parse_up_front(argv: list[str], chain: Callable | None) -> None:
     """``--help`` and argument errors before anything needs a GPU, with DMI's flags in the parser.
 
     megatron-core's first parse (``ft_integration.setup``) knows no extra provider, so its --help
@@ -69,14 +69,15 @@ def _parse_up_front(argv: list[str]) -> None:
         allow_abbrev=False,
         description="Pretrain a GPT with megatron-core and Deep Model Inspection (the --dmi-* flags).",
     )
-    extra_args_provider()(add_megatron_arguments(parser))
+    extra_args_provider(chain)(add_megatron_arguments(parser))
     parser.parse_args(argv[1:])
 
 
-def prepare_process(argv: list[str]) -> None:
+def prepare_process(argv: list[str], chain: Callable | None = None) -> None:
     """Run before megatron.training initialises: --help and argument errors, wheel gaps, DMI
-    validation, the CPU development mode."""
-    _parse_up_front(argv)
+    validation, the CPU development mode. ``chain`` adds the entry script's own flags (as given to
+    :func:`extra_args_provider`)."""
+    _parse_up_front(argv, chain)
     _use_prebuilt_dataset_helpers()
     _validate_dmi_after_megatron()
     if CPU_DEV_FLAG in argv:

@@ -18,11 +18,12 @@ import torch
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.utils import get_batch_on_this_cp_rank
+from megatron.training.arguments import parse_args
 
-from megatron.training import get_timers, pretrain
-from megatron.training.dmi import entry
+from megatron.training import get_timers, inprocess_restart, pretrain
+from megatron.training.dmi import entry, model_flags
 from megatron.training.dmi.dataset_provider import train_valid_test_datasets_provider
-from megatron.training.dmi.model_provider import model_provider
+from megatron.training.dmi.model_provider import get_embedding_ranks, model_provider
 
 
 def get_batch(data_iterator):
@@ -59,14 +60,24 @@ def forward_step(data_iterator, model: GPTModel):
 
 def main():
     # Before megatron.training initialises: --help, argument errors, the CPU mode or the no-GPU message.
-    entry.prepare_process(sys.argv)
+    entry.prepare_process(sys.argv, model_flags.add_modelopt_args)
+    args_provider = entry.extra_args_provider(model_flags.add_modelopt_args)
+    # Model flags this entry cannot build as upstream does stop here, before any process group exists.
+    model_flags.print_notices(
+        model_flags.check_model_flags(parse_args(args_provider), cpu=entry.CPU_DEV_FLAG in sys.argv)
+    )
+    # --inprocess-restart: megatron.training's wrapper (a warning and a plain run without
+    # nvidia-resiliency-ext), with the store it creates for the restarts.
+    train, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     try:
-        pretrain(
+        train(
             train_valid_test_datasets_provider,
             model_provider,
             ModelType.encoder_or_decoder,
             entry.dmi_forward_step(forward_step),
-            extra_args_provider=entry.extra_args_provider(),
+            extra_args_provider=args_provider,
+            get_embedding_ranks=get_embedding_ranks,
+            store=store,
         )
     finally:
         entry.finish()
