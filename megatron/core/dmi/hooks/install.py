@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -59,9 +60,14 @@ class HookSet:
             why = groups.refusal(self.capture.config.hooks, ModelFacts.of(configs[0]))
             if why is not None:
                 raise UnsupportedModelError(f"{why[0]}: {why[1]}")
+        # Multi-token prediction layers are not decoder layers: megatron-core numbers their inner
+        # layer 1, which would collide with decoder layer 0's keys. They are not captured.
+        in_mtp = {
+            id(m) for block in chunk.modules() if isinstance(block, MultiTokenPredictionBlock) for m in block.modules()
+        }
         for module in chunk.modules():
             site_name = next((name for kind, name in _SITE_OF if isinstance(module, kind)), None)
-            if site_name is None:
+            if site_name is None or id(module) in in_mtp:
                 continue
             for group in self._groups:
                 site = getattr(groups.GROUP_MODULES[group], site_name, None)

@@ -54,11 +54,6 @@ def test_inprocess_restart_goes_through_megatron_training(run):
     assert f"iteration        {ITERS}/       {ITERS}" in out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hooks/ captures MTP's inner TransformerLayer (layer_number 1) as decoder layer 0: 30 records "
-    "an iteration instead of 20, and the store reports rows 'not found after the insert' (docs/parity.md)",
-)
 def test_dmi_captures_every_decoder_layer_once_and_not_the_mtp_layers(run):
     out, store, tmp = run
     captured = re.findall(r" DMI \| captured: (\d+) records", out)
