@@ -33,6 +33,7 @@ sys.path.insert(0, REPO)
 import megatron.training.training as mt_training  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.transformer.moe.router import TopKRouter  # noqa: E402
+from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock  # noqa: E402
 from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: E402
 
 from megatron.core import parallel_state as ps  # noqa: E402
@@ -203,7 +204,11 @@ upstream_model_provider = pretrain_gpt.model_provider
 
 def model_provider(*args, **kwargs):
     model = upstream_model_provider(*args, **kwargs)
+    # DMI does not capture the multi-token-prediction block's layers; neither does the oracle
+    in_mtp = {id(x) for blk in model.modules() if isinstance(blk, MultiTokenPredictionBlock) for x in blk.modules()}
     for m in model.modules():
+        if id(m) in in_mtp:
+            continue
         if isinstance(m, TopKRouter):
             m.register_forward_hook(router_oracle)
         if isinstance(m, TransformerLayer) and getattr(m.self_attention, "core_attention", None) is not None:

@@ -7,7 +7,7 @@
 # with the in-run oracle (not the CUDA-graph cases: an oracle hook cannot copy to the host inside a
 # graph capture) and a DMI-off twin of each, several at a time (tiny models: the GPU has room), plus
 # the extra h200 cases in $FT_H200_CASES (with the oracle and a twin too where they can; FT_TE=0 runs
-# only those), then clocks DMI's host time per firing (host_cost.py).
+# only those; FT_TE_CASES="<case dirs>" runs those TE cases instead of all), then clocks DMI's host time per firing (host_cost.py).
 # Everything is packed into $OUT/ft_h200_te.tgz.part_*; here, with chDB, unpack
 # (cat ft_h200_te.tgz.part_* | tar xz -C /tmp), then check and record with
 #   python -m tests.functional_tests.check_h200_te /tmp/ft_h200_te [--record-golden]
@@ -23,7 +23,7 @@ timeout 90 python3 .te-h200/gpu_check.py > $W/gpu_check.log 2>&1; echo "gpu_chec
 timeout 240 python3 -m megatron.core.dmi doctor --build --check-cuda > $W/doctor.log 2>&1; echo "doctor rc=$?"
 grep -v -E "^ok " $W/doctor.log | head -20
 {
-  [ "${FT_TE:-1}" = 1 ] && for c in tests/functional_tests/test_cases/gpt_moe_te/*/; do
+  [ "${FT_TE:-1}" = 1 ] && for c in ${FT_TE_CASES:-tests/functional_tests/test_cases/gpt_moe_te/*/}; do
     c=${c%/}
     case $c in *graph*) echo "h200_te $c dmi" ;; *) echo "h200_te $c oracle" ;; esac
     echo "h200_te $c off"
