@@ -60,16 +60,9 @@ def forward_step(data_iterator, model: GPTModel):
 def main():
     # Before megatron.training initialises: --help, argument errors, the CPU mode or the no-GPU message.
     entry.prepare_process(sys.argv)
-    try:
-        pretrain(
-            train_valid_test_datasets_provider,
-            model_provider,
-            ModelType.encoder_or_decoder,
-            entry.dmi_forward_step(forward_step),
-            extra_args_provider=entry.extra_args_provider(),
-        )
-    finally:
-        entry.finish()
+    entry.pretrain_with_dmi(pretrain)(
+        train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step
+    )
     # Tear the process groups down while the interpreter is whole: left to exit, gloo's worker
     # threads can free tensors during finalization and abort the process (seen in CI, rarely).
     if torch.distributed.is_initialized():
