@@ -189,6 +189,8 @@ def _torch_patches() -> list[tuple[object, str, object]]:
 
 _mode: _CudaToCpu | None = None
 _groups: tuple[str, ...] = ()
+_RNG_LOGGER = logging.getLogger("megatron.core.tensor_parallel.random")
+_rng_logger_level = logging.NOTSET
 
 
 def enable(extra_groups: tuple[str, ...] = ()) -> None:
@@ -198,7 +200,7 @@ def enable(extra_groups: tuple[str, ...] = ()) -> None:
         extra_groups: more groups of ``upstream_patches`` to install with it and undo with it in
             ``disable`` (the training entry's ``cpu-training``).
     """
-    global _mode, _groups
+    global _mode, _groups, _rng_logger_level
     if _mode is not None:
         return
     _groups = ("cpu", *extra_groups)
@@ -207,7 +209,8 @@ def enable(extra_groups: tuple[str, ...] = ()) -> None:
     for owner, name, value in _torch_patches():  # torch's, undone with the group's
         upstream_patches.replace("cpu", owner, name, value)
     # The tracker's "GPU" states are CPU generator states here, so its CPU-state check always fires.
-    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    _rng_logger_level = _RNG_LOGGER.level
+    _RNG_LOGGER.setLevel(logging.ERROR)
     _mode = _CudaToCpu()
     _mode.__enter__()
 
@@ -222,6 +225,7 @@ def disable() -> None:
     for group in reversed(_groups):
         upstream_patches.restore(group)
     _groups = ()
+    _RNG_LOGGER.setLevel(_rng_logger_level)
 
 
 def enabled() -> bool:
