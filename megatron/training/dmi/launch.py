@@ -37,8 +37,11 @@ def main(argv: list[str] | None = None) -> None:
         argv: the script's path, then its arguments.
     """
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        sys.exit(f"{USAGE}\n{__doc__.split(chr(10) + chr(10))[0]}")
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n\n{__doc__}")
+        return
+    if not argv:
+        sys.exit(f"{USAGE}\nerror: name the entry script to run")
     script = argv[0]
     if not os.path.isfile(script):
         sys.exit(f"{USAGE}\nerror: no entry script at {script!r}: name the Python file that calls pretrain")
