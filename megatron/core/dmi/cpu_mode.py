@@ -3,8 +3,10 @@
 Active only when ``--cpu-dev-mode`` is given to pretrain_gpt.py, when tests call ``enable()``, or
 when a megatron-core loop with no GPU asks for it (examples/custom_loop.py); never otherwise. It
 lives in megatron.core.dmi so that such loops need nothing of ``megatron.training``; the training
-entry hands ``enable`` the patches its own code needs (``extra_patches``). megatron-core assumes CUDA in a handful of places, and each patch below answers
-exactly one of them:
+entry asks ``enable`` for the ``cpu-training`` group of patches its own code needs too. Its
+megatron-core replacements are the ``cpu`` rows of ``upstream_patches.TARGETS`` (built by the
+functions here); the torch ones are listed here. megatron-core assumes CUDA in a handful of places,
+and each patch answers exactly one of them:
 
 * ``device='cuda'`` literals, ``Tensor.cuda()`` and ``torch.cuda.current_device()`` as a device:
   a TorchFunctionMode maps every CUDA device argument to the CPU;
@@ -26,11 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import logging
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron.core.dmi import upstream_patches
 
 _CPU = torch.device("cpu")
 
@@ -100,6 +103,26 @@ def _with_mode(fn):
     return run
 
 
+def backward_with_cpu_mode(original):
+    """``CheckpointFunction.backward`` with the CPU device mode on (a ``cpu`` upstream patch)."""
+    return staticmethod(_with_mode(original))
+
+
+def recompute_with_cpu_mode(original):
+    """``CheckpointWithoutOutput._recompute`` with the CPU device mode on (a ``cpu`` upstream patch)."""
+    return _with_mode(original)
+
+
+def cpu_rng_state(original):
+    """The tensor-parallel RNG tracker's "CUDA" state getter, on the CPU generator."""
+    return lambda *a, **k: torch.get_rng_state()
+
+
+def set_cpu_rng_state(original):
+    """The tensor-parallel RNG tracker's "CUDA" state setter, on the CPU generator."""
+    return lambda new_state, *a, **k: torch.set_rng_state(new_state)
+
+
 def _all_to_all_with_list_splits(original):
     """megatron-core's alltoall token dispatcher hands all_to_all_single its split sizes as tensors
     when it has no CUDA sync point to turn them into lists; gloo's binding takes only int lists."""
@@ -114,7 +137,7 @@ def _all_to_all_with_list_splits(original):
     return all_to_all_single
 
 
-def _torch_norm_with_sequence_parallel(original_new):
+def torch_norm_with_sequence_parallel(original_new):
     """Without TE or apex the local spec's norm is torch's, which megatron-core refuses under sequence
     parallelism only because its parameters lack the ``sequence_parallel`` mark that makes Megatron
     all-reduce their gradients over the TP group. Build it as usual and add the mark."""
@@ -132,10 +155,7 @@ def _torch_norm_with_sequence_parallel(original_new):
     return staticmethod(__new__)
 
 
-def _patches() -> list[tuple[object, str, object]]:
-    from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
+def _torch_patches() -> list[tuple[object, str, object]]:
     cuda = torch.cuda
     return [
         (cuda, "is_available", lambda: True),
@@ -161,53 +181,58 @@ def _patches() -> list[tuple[object, str, object]]:
         (cuda, "reset_peak_memory_stats", lambda *a, **k: None),
         (cuda, "is_current_stream_capturing", lambda: False),
         (torch.accelerator, "current_stream", lambda *a, **k: _NullStream()),  # optimizers ask it
-        (tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
-        (tp_random, "_set_cuda_rng_state", lambda new_state, *a, **k: torch.set_rng_state(new_state)),
-        (WrappedTorchNorm, "__new__", _torch_norm_with_sequence_parallel(WrappedTorchNorm.__new__)),
         (torch.distributed, "all_to_all_single", _all_to_all_with_list_splits(torch.distributed.all_to_all_single)),
-        (tp_random.CheckpointFunction, "backward", staticmethod(_with_mode(tp_random.CheckpointFunction.backward))),
-        (tp_random.CheckpointWithoutOutput, "_recompute", _with_mode(tp_random.CheckpointWithoutOutput._recompute)),
         # megatron's jit_fuser is torch.compile: on a CPU it only costs compile time for tiny models.
         (torch._dynamo.config, "disable", True),
     ]
 
 
-_saved: list[tuple[object, str, object]] = []
 _mode: _CudaToCpu | None = None
+_groups: tuple[str, ...] = ()
+_RNG_LOGGER = logging.getLogger("megatron.core.tensor_parallel.random")
+_rng_logger_level = logging.NOTSET
 
 
-def enable(extra_patches: list[tuple[object, str, object]] = ()) -> None:
-    """Install the shim in this process (idempotent). ``extra_patches``: more (object, attribute,
-    value) replacements, undone by ``disable`` with the rest (the training entry's, for
-    ``megatron.training``)."""
-    global _mode
+def enable(extra_groups: tuple[str, ...] = ()) -> None:
+    """Install the shim in this process (idempotent).
+
+    Args:
+        extra_groups: more groups of ``upstream_patches`` to install with it and undo with it in
+            ``disable`` (the training entry's ``cpu-training``).
+    """
+    global _mode, _groups, _rng_logger_level
     if _mode is not None:
         return
-    for obj, name, value in _patches() + list(extra_patches):
-        try:
-            original = inspect.getattr_static(obj, name)  # keeps staticmethods intact
-        except AttributeError:  # config modules serve attributes dynamically
-            original = getattr(obj, name)
-        _saved.append((obj, name, original))
-        setattr(obj, name, value)
+    _groups = ("cpu", *extra_groups)
+    for group in _groups:
+        upstream_patches.install(group)
+    for owner, name, value in _torch_patches():  # torch's, undone with the group's
+        upstream_patches.replace("cpu", owner, name, value)
     # The tracker's "GPU" states are CPU generator states here, so its CPU-state check always fires.
-    logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
+    _rng_logger_level = _RNG_LOGGER.level
+    _RNG_LOGGER.setLevel(logging.ERROR)
     _mode = _CudaToCpu()
     _mode.__enter__()
 
 
 def disable() -> None:
     """Undo ``enable`` (tests use the shim per module and leave the process as they found it)."""
-    global _mode
+    global _mode, _groups
     if _mode is None:
         return
     _mode.__exit__(None, None, None)
     _mode = None
-    while _saved:
-        obj, name, value = _saved.pop()
-        setattr(obj, name, value)
+    for group in reversed(_groups):
+        upstream_patches.restore(group)
+    _groups = ()
+    _RNG_LOGGER.setLevel(_rng_logger_level)
 
 
 def enabled() -> bool:
     """Whether CPU mode is on in this process."""
     return _mode is not None
+
+
+def compute_device() -> torch.device:
+    """The device training computes on: the CPU in CPU mode, else the current CUDA device."""
+    return _CPU if enabled() else torch.device("cuda", torch.cuda.current_device())

@@ -240,6 +240,8 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
                 "moe_preprocess, or none for whole layers) instead",
             )
     store_dir = config_from_args(args).store_dir
+    if os.path.exists(store_dir) and not os.path.isdir(store_dir):
+        _fail("--dmi-store-dir", f"{store_dir!r} is a file; name a folder (created if missing) for DMI's store")
     try:
         os.makedirs(store_dir, mode=0o700, exist_ok=True)
     except OSError as exc:

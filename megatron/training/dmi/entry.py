@@ -1,9 +1,12 @@
-"""What pretrain_gpt.py needs from DMI: process preparation, the argument provider and the
-forward-step wrapper that activates DMI inside ``megatron.training.pretrain``."""
+"""What a training entry needs from DMI: process preparation, the argument provider, the
+forward-step wrapper and the ``pretrain`` wrapper that activate DMI inside
+``megatron.training.pretrain``, and the replacements of the ``entry`` and ``cpu-training`` groups
+of ``megatron.core.dmi.upstream_patches``."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import socket
 import sys
@@ -11,7 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-CPU_DEV_FLAG = "--cpu-dev-mode"
+from megatron.core.dmi import cpu_mode, upstream_patches
+from megatron.core.dmi.cpu_mode import compute_device  # noqa: F401  (the entry's batch code asks it here)
+from megatron.training.dmi.launch import CPU_DEV_FLAG
+
 # Upstream's usage line lists every one of its ~1000 flags (about 640 lines) before each argument
 # error; ours names the kinds of flags and where the full list is.
 SHORT_USAGE = "%(prog)s [Megatron arguments] [--dmi-* arguments] [--cpu-dev-mode]  (all flags: %(prog)s --help)"
@@ -25,64 +31,89 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _use_prebuilt_dataset_helpers() -> None:
-    """The megatron-core wheel ships helpers_cpp prebuilt but no Makefile, so upstream's
-    compile_helpers() (which runs make) fails. When the module imports, building is unnecessary."""
-    import megatron.core.datasets.utils as dataset_utils
-
+def prebuilt_dataset_helpers(compile_helpers: Callable) -> Callable:
+    """Upstream's ``compile_helpers`` runs ``make``, but the megatron-core wheel ships ``helpers_cpp``
+    prebuilt and no Makefile: when the module imports there is nothing to build (an ``entry`` patch)."""
     try:
         from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError:
-        return  # a source checkout with a Makefile: keep upstream's build step
-    dataset_utils.compile_helpers = lambda: None
+        return compile_helpers  # a source checkout with a Makefile: keep upstream's build step
+    return lambda: None
 
 
-def _validate_dmi_after_megatron() -> None:
-    """DMI checks that need the full Megatron config run inside Megatron's own validation, so bad
-    input still fails before any process group or model exists."""
-    import megatron.training.initialize as mt_init
+def _as_usage_error(refusal: SystemExit) -> None:
+    """A DMI refusal (``error: argument --flag: why``) as argparse gives one: the one-line usage,
+    then the error, exit 2. Any other exit goes on unchanged."""
+    if not (isinstance(refusal.code, str) and refusal.code.startswith("error: argument ")):
+        raise refusal
+    prog = os.path.basename(sys.argv[0])
+    sys.stderr.write(f"usage: {SHORT_USAGE % {'prog': prog}}\n{prog}: {refusal.code}\n")
+    sys.exit(2)
 
-    from megatron.training.dmi.arguments import check_dmi_layout, validate_dmi_args
 
-    validate_args = mt_init.validate_args
+def validate_args_with_dmi_layout(validate_args: Callable) -> Callable:
+    """Megatron's argument validation, after DMI's refusal of layouts it cannot capture (an ``entry``
+    patch), so bad input still fails before any process group or model exists."""
+    from megatron.training.dmi.arguments import check_dmi_layout
 
     def validate(args, *a, **k):
-        check_dmi_layout(args)
-        out = validate_args(args, *a, **k)
-        validate_dmi_args(args)
-        return out
+        try:
+            check_dmi_layout(args)
+        except SystemExit as refusal:
+            _as_usage_error(refusal)
+        return validate_args(args, *a, **k)
 
-    mt_init.validate_args = validate
+    return validate
 
 
-def _parse_up_front(argv: list[str], chain: Callable | None) -> None:
+def dmi_checks_before_argument_dump(print_args: Callable) -> Callable:
+    """Megatron's argument dump (the last step of its validation), after DMI's checks that need the
+    validated config (an ``entry`` patch): a refusal comes first, with the one-line usage and exit 2,
+    not after ~750 lines of arguments."""
+    from megatron.training.dmi.arguments import validate_dmi_args
+
+    def checked_then_printed(title, args, *a, **k):
+        if title == "arguments":
+            try:
+                validate_dmi_args(args)
+            except SystemExit as refusal:
+                _as_usage_error(refusal)
+        return print_args(title, args, *a, **k)
+
+    return checked_then_printed
+
+
+def _parse_up_front(argv: list[str], chain: Callable | None, known_only: bool) -> None:
     """``--help`` and argument errors before anything needs a GPU, with DMI's flags in the parser.
 
     megatron-core's first parse (``ft_integration.setup``) knows no extra provider, so its --help
     would list no --dmi-* flag; this parser is upstream's flags plus DMI's, as Megatron's own later
     parse builds it, and it stops the process (help: exit 0; bad value: exit 2) before any set-up.
+    ``known_only``: another entry script's own flags are left for its own provider.
     """
     from megatron.training.arguments import add_megatron_arguments
 
     parser = argparse.ArgumentParser(
         prog=os.path.basename(argv[0]),
         allow_abbrev=False,
-        description="Pretrain a GPT with megatron-core and Deep Model Inspection (the --dmi-* flags).",
+        description="Pretrain with megatron-core and Deep Model Inspection (the --dmi-* flags).",
     )
     extra_args_provider(chain)(add_megatron_arguments(parser))
-    parser.parse_args(argv[1:])
+    (parser.parse_known_args if known_only else parser.parse_args)(argv[1:])
 
 
-def prepare_process(argv: list[str], chain: Callable | None = None) -> None:
-    """Run before megatron.training initialises: --help and argument errors, wheel gaps, DMI
-    validation, the CPU development mode. ``chain`` adds the entry script's own flags (as given to
-    :func:`extra_args_provider`)."""
-    _parse_up_front(argv, chain)
-    _use_prebuilt_dataset_helpers()
-    _validate_dmi_after_megatron()
+def prepare_process(argv: list[str], chain: Callable | None = None, known_only: bool = False) -> None:
+    """Run before megatron.training initialises: --help and argument errors, the ``entry`` patches of
+    ``upstream_patches`` (wheel gaps, DMI's checks, DMI's start in ``train``), the CPU development mode.
+
+    Args:
+        argv: the process's ``sys.argv`` (CPU mode appends the flags it needs to it).
+        chain: the entry script's own argument provider (as given to :func:`extra_args_provider`).
+        known_only: leave flags neither Megatron nor DMI knows to the entry script's own provider.
+    """
+    _parse_up_front(argv, chain, known_only)
+    upstream_patches.install("entry")
     if CPU_DEV_FLAG in argv:
-        from megatron.core.dmi import cpu_mode
-
         for flag, value in CPU_REQUIRED_FLAGS.items():
             if flag not in argv:
                 argv += [flag, value]
@@ -97,7 +128,7 @@ def prepare_process(argv: list[str], chain: Callable | None = None) -> None:
         ):
             os.environ.setdefault(var, value)
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        cpu_mode.enable(extra_patches=_cpu_training_patches())
+        cpu_mode.enable(extra_groups=("cpu-training",))
     elif not torch.cuda.is_available():
         sys.exit(
             "error: no CUDA GPU is visible. Megatron trains on GPUs; to try DMI on this machine with a "
@@ -105,24 +136,16 @@ def prepare_process(argv: list[str], chain: Callable | None = None) -> None:
         )
 
 
-def _cpu_training_patches() -> list[tuple[object, str, object]]:
-    """What ``megatron.training`` needs on top of the core CPU shim."""
-    import megatron.training.arguments as mt_arguments
-    import megatron.training.initialize as mt_init
-
-    return [
-        (mt_init, "_warmup_jit_function", lambda: None),
-        # Argument validation asks the GPU's compute capability when TP or CP > 1 (for a
-        # CUDA_DEVICE_MAX_CONNECTIONS rule that needs a GPU): answer as a device without that rule.
-        (mt_arguments, "get_device_arch_version", lambda: 10),
-    ]
+def skip_jit_warmup(warmup: Callable) -> Callable:
+    """Megatron's JIT warm-up runs CUDA fusions: skipped on a CPU (a ``cpu-training`` patch)."""
+    return lambda: None
 
 
-def compute_device() -> torch.device:
-    """The device training computes on: the CPU in CPU mode, else the current CUDA device."""
-    from megatron.core.dmi import cpu_mode
-
-    return torch.device("cpu") if cpu_mode.enabled() else torch.device("cuda", torch.cuda.current_device())
+def device_arch_without_connection_rule(get_device_arch_version: Callable) -> Callable:
+    """Argument validation asks the GPU's compute capability when TP or CP > 1, for a
+    CUDA_DEVICE_MAX_CONNECTIONS rule that needs a GPU: on a CPU, answer as a device without that
+    rule (a ``cpu-training`` patch)."""
+    return lambda: 10
 
 
 def extra_args_provider(chain: Callable | None = None) -> Callable:
@@ -141,22 +164,18 @@ def extra_args_provider(chain: Callable | None = None) -> Callable:
     return provider
 
 
-def _wrap_train_loop() -> None:
-    """DMI starts when ``megatron.training.training.train`` is entered: the model chunks exist, a
-    checkpoint (if any) is loaded, and every rank is at the same point, so the start-up collectives
-    (run id and attempt from rank 0) cannot interleave with pipeline send/recv. It stops capturing
-    when the loop returns (the evaluations that ``pretrain`` runs afterwards are not captured)."""
-    import megatron.training.training as mt_training
-
-    if getattr(mt_training.train, "_dmi_wrapped", False):
-        return
-    train = mt_training.train
+def train_with_dmi(train: Callable) -> Callable:
+    """Megatron's training loop with DMI started when it is entered (an ``entry`` patch): the model
+    chunks exist, a checkpoint (if any) is loaded, and every rank is at the same point, so the
+    start-up collectives (run id and attempt from rank 0) cannot interleave with pipeline send/recv.
+    It stops capturing when the loop returns (the evaluations that ``pretrain`` runs afterwards are
+    not captured). With no ``--dmi-hooks`` nothing of DMI is imported or started."""
 
     def wrapped_train(forward_step_func, model, *args, **kwargs):
         from megatron.training import get_args
 
         runtime = None
-        if get_args().dmi_hooks:  # with no DMI flag, nothing of DMI is imported or installed
+        if get_args().dmi_hooks:
             from megatron.training.dmi.runtime import DMIRuntime
 
             runtime = DMIRuntime.start(model)
@@ -166,16 +185,33 @@ def _wrap_train_loop() -> None:
             if runtime is not None:
                 runtime.end_training()
 
-    wrapped_train._dmi_wrapped = True
-    wrapped_train.__wrapped__ = train
-    mt_training.train = wrapped_train
+    return wrapped_train
+
+
+def pretrain_with_dmi(pretrain: Callable) -> Callable:
+    """``megatron.training.pretrain`` with DMI around it: DMI's argument group chained before the
+    caller's own ``extra_args_provider``, the caller's forward step wrapped (``dmi_forward_step``),
+    and DMI closed with its end-of-run report when ``pretrain`` returns or raises. The training
+    entry calls it directly; the launcher installs it in place of ``pretrain`` (a ``launch`` patch)."""
+    signature = inspect.signature(pretrain)
+
+    def pretrain_then_finish(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        call.arguments["forward_step_func"] = dmi_forward_step(call.arguments["forward_step_func"])
+        call.arguments["extra_args_provider"] = extra_args_provider(call.arguments.get("extra_args_provider"))
+        try:
+            return pretrain(*call.args, **call.kwargs)
+        finally:
+            finish()
+
+    pretrain_then_finish.__wrapped__ = pretrain
+    return pretrain_then_finish
 
 
 def dmi_forward_step(forward_step: Callable) -> Callable:
     """Wrap the user's forward step: every call tells DMI the step context (phase, iteration, model
     chunk, microbatch) from the running schedule. Before DMI started (or without DMI) it is a
     pass-through."""
-    _wrap_train_loop()
 
     def wrapped(data_iterator, model, *args, **kwargs):
         runtime = _active_runtime()

@@ -61,26 +61,24 @@ def forward_step(data_iterator, model: GPTModel):
 def main():
     # Before megatron.training initialises: --help, argument errors, the CPU mode or the no-GPU message.
     entry.prepare_process(sys.argv, model_flags.add_modelopt_args)
-    args_provider = entry.extra_args_provider(model_flags.add_modelopt_args)
     # Model flags this entry cannot build as upstream does stop here, before any process group exists.
     model_flags.print_notices(
-        model_flags.check_model_flags(parse_args(args_provider), cpu=entry.CPU_DEV_FLAG in sys.argv)
+        model_flags.check_model_flags(
+            parse_args(entry.extra_args_provider(model_flags.add_modelopt_args)), cpu=entry.CPU_DEV_FLAG in sys.argv
+        )
     )
     # --inprocess-restart: megatron.training's wrapper (a warning and a plain run without
-    # nvidia-resiliency-ext), with the store it creates for the restarts.
-    train, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
-    try:
-        train(
-            train_valid_test_datasets_provider,
-            model_provider,
-            ModelType.encoder_or_decoder,
-            entry.dmi_forward_step(forward_step),
-            extra_args_provider=args_provider,
-            get_embedding_ranks=get_embedding_ranks,
-            store=store,
-        )
-    finally:
-        entry.finish()
+    # nvidia-resiliency-ext), with the store it creates for the restarts; DMI closes inside each attempt.
+    train, store = inprocess_restart.maybe_wrap_for_inprocess_restart(entry.pretrain_with_dmi(pretrain))
+    train(
+        train_valid_test_datasets_provider,
+        model_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        extra_args_provider=model_flags.add_modelopt_args,
+        get_embedding_ranks=get_embedding_ranks,
+        store=store,
+    )
     # Tear the process groups down while the interpreter is whole: left to exit, gloo's worker
     # threads can free tensors during finalization and abort the process (seen in CI, rarely).
     if torch.distributed.is_initialized():

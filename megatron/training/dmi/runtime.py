@@ -14,15 +14,15 @@ import atexit
 import json
 import os
 
-import megatron.training.training as mt_training
 import torch
 from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
+from megatron.core.dmi import upstream_patches
 from megatron.core.dmi.config import DMIConfig, ring_memory_problem
+from megatron.core.dmi.cpu_mode import compute_device
 from megatron.core.dmi.session import DMISession
 from megatron.training import get_args, print_rank_0
 from megatron.training.dmi.arguments import config_from_args
-from megatron.training.dmi.entry import compute_device
 from megatron.training.dmi.scalars import RouterScalars
 from megatron.training.dmi.scalars import wanted as scalars_wanted
 
@@ -137,34 +137,51 @@ class DMIRuntime:
         self.session.flush()
 
     def _patch_training_loop(self) -> None:
-        """Checkpoint saves flush DMI and store its state; the log interval prints DMI's line."""
-        save, log = mt_training.save_checkpoint, mt_training.training_log
-        runtime = self
+        """Checkpoint saves flush DMI and store its state; the log interval prints DMI's line (the
+        ``runtime`` group of ``upstream_patches``, undone in ``close``)."""
+        upstream_patches.install("runtime")
 
-        def save_checkpoint(iteration, *args, **kwargs):
+    def _log_interval(self) -> None:
+        """After Megatron's training log: at each log interval, the scalars (every rank joins their
+        reduce) and DMI's line (on the last rank, where Megatron logs)."""
+        iteration = self.args.curr_iteration + 1
+        if iteration % self.args.log_interval:
+            return
+        if self.scalars is not None:
+            self.scalars.write(iteration, get_tensorboard_writer(), get_wandb_writer())
+        if not _dist() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+            print(self.session.status_line(), flush=True)
+
+    # -- the end ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Restore Megatron's patched functions, close the session and print its end-of-run report on rank 0."""
+        upstream_patches.restore("runtime")
+        print_rank_0(self.session.close().text)
+
+
+def save_checkpoint_with_dmi_state(save_checkpoint):
+    """Megatron's ``save_checkpoint`` after DMI's flush and state file (a ``runtime`` patch)."""
+
+    def save(iteration, *args, **kwargs):
+        runtime = DMIRuntime._instance
+        if runtime is not None:
             runtime.flush()
             # The state file goes first: a checkpoint that exists (whatever the crash point) always
             # has its run identity beside it, so its resume continues this run. A state file whose
             # checkpoint never completed is harmless: nothing resumes from that iteration.
             runtime._write_state(iteration)
-            return save(iteration, *args, **kwargs)
+        return save_checkpoint(iteration, *args, **kwargs)
 
-        def training_log(*args, **kwargs):
-            out = log(*args, **kwargs)
-            iteration = runtime.args.curr_iteration + 1
-            last_rank = not _dist() or torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-            if runtime.scalars is not None and iteration % runtime.args.log_interval == 0:
-                runtime.scalars.write(iteration, get_tensorboard_writer(), get_wandb_writer())  # every rank
-            if last_rank and iteration % runtime.args.log_interval == 0:
-                print(runtime.session.status_line(), flush=True)
-            return out
+    return save
 
-        mt_training.save_checkpoint = save_checkpoint
-        mt_training.training_log = training_log
-        self._restore = (save, log)
 
-    # -- the end ----------------------------------------------------------------------------
-    def close(self) -> None:
-        """Restore Megatron's patched functions, close the session and print its end-of-run report on rank 0."""
-        mt_training.save_checkpoint, mt_training.training_log = self._restore
-        print_rank_0(self.session.close().text)
+def training_log_with_dmi(training_log):
+    """Megatron's ``training_log``, then DMI's line and scalars at the log interval (a ``runtime`` patch)."""
+
+    def log(*args, **kwargs):
+        out = training_log(*args, **kwargs)
+        if DMIRuntime._instance is not None:
+            DMIRuntime._instance._log_interval()
+        return out
+
+    return log

@@ -1,8 +1,13 @@
 """DMI's router scalars reach TensorBoard through Megatron's own writer: a real tiny-MoE run with
 --tensorboard-dir, its event file read back with TensorBoard's reader and checked against an
-independent in-run oracle of the router; plus the arithmetic of the summary on known totals."""
+independent in-run oracle of the router; the same values in W&B's history (offline mode); plus the
+arithmetic of the summary on known totals."""
 
+import glob
+import json
 import math
+import os
+import struct
 
 import pytest
 import torch
@@ -101,3 +106,69 @@ def test_values_match_the_router_oracle(run):
             h = histogram[iteration]
             assert (h.num, h.sum) == (EXPERTS, MICROBATCHES * TOKENS_PER_MICROBATCH * TOPK)
             assert (h.min, h.max) == (float(counts.min()), float(counts.max()))
+
+
+def _wandb_records(path: str):
+    """The records of an offline W&B run file: a LevelDB-style log (32 KiB blocks of chunks, each
+    with a 7-byte header: CRC-32, length, type) after a 7-byte file header, each record a protobuf."""
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data.startswith(b":W&B"), path
+    block, pos, chunks = 32 * 1024, 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if (length, kind) == (0, 0):
+            break
+        chunks += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunks)
+            chunks = b""
+            yield record
+
+
+def _wandb_history(run_dir: str) -> dict[int, dict[str, object]]:
+    (path,) = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    history = {}
+    for record in _wandb_records(path):
+        if record.WhichOneof("record_type") == "history":
+            row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history[row["_step"]] = row
+    return history
+
+
+def test_the_same_scalars_reach_wandb_in_offline_mode(tmp_path, monkeypatch):
+    """With --wandb-project (W&B offline, as a machine without network runs it), DMI's scalars and
+    histograms land in the run's history through Megatron's W&B writer, at every log interval, with
+    the values TensorBoard gets from the same run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tmp = str(tmp_path)
+    wandb_args = ["--wandb-project", "dmi-test", "--wandb-exp-name", "tiny", "--wandb-save-dir", f"{tmp}/wb"]
+    monkeypatch.setenv("WANDB_MODE", "offline")  # run_pretrain's child inherits it
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_pretrain(
+        tiny_moe_args()
+        + ["--dmi-hooks", "router", "--dmi-persist", "none", "--tensorboard-dir", f"{tmp}/tb"]
+        + wandb_args,
+        tmp,
+        oracle=False,
+    )
+    history = _wandb_history(f"{tmp}/wb")
+    events = EventAccumulator(f"{tmp}/tb", size_guidance={"scalars": 0})
+    events.Reload()
+    dmi_tags = [t for t in events.Tags()["scalars"] if t.startswith("dmi/")]
+    assert len(dmi_tags) == 3 * LAYERS + 3
+    assert set(history) >= set(range(1, ITERS + 1))
+    for tag in dmi_tags:
+        for event in events.Scalars(tag):
+            assert history[event.step][tag] == pytest.approx(event.value, rel=1e-6), (tag, event.step)
+    for step in range(1, ITERS + 1):
+        for layer in range(LAYERS):
+            assert history[step][f"dmi/tokens_per_expert/layer_{layer:02d}/_type"] == "histogram"
