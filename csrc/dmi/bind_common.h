@@ -81,9 +81,7 @@ inline py::tuple take_into(RingCore& core, size_t max_records, double timeout_s,
       for (const Entry& e : got) {
         if (e.d.nbytes) std::memcpy(out, st + e.staging_off, e.d.nbytes);
         out += e.d.nbytes;
-        const uint64_t row[kTakeWords] = {e.seq, e.d.site, e.d.iteration, e.d.microbatch, e.d.attempt,
-                                          e.d.phase, e.d.invocation, e.d.nbytes, 0};
-        words.insert(words.end(), row, row + kTakeWords);
+        append_take_row(e, 0, words);  // the checksum is filled in below
       }
       core.release_staging(got);
     }
@@ -93,12 +91,12 @@ inline py::tuple take_into(RingCore& core, size_t max_records, double timeout_s,
     const uint8_t* at = reinterpret_cast<const uint8_t*>(dest);
     for (size_t i = 0; i < n; ++i) {
       ptrs[i] = at;
-      lens[i] = words[i * kTakeWords + 7];
+      lens[i] = words[i * kTakeWords + kTakeNbytes];
       at += lens[i];
     }
     std::vector<uint32_t> crc;
     checksum_spans(ptrs, lens, crc);
-    for (size_t i = 0; i < n; ++i) words[i * kTakeWords + 8] = crc[i];
+    for (size_t i = 0; i < n; ++i) words[i * kTakeWords + kTakeCrc32] = crc[i];
   }
   return py::make_tuple(py::bytes(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(uint64_t)),
                         too_big);
@@ -182,7 +180,34 @@ inline py::object make_dlpack(py::object owner, void* data, int64_t nbytes, bool
   return py::reinterpret_steal<py::object>(cap);
 }
 
-// Module attributes and the bindings that are the same for both builds.
+// The explicit context words of one record (kFiringWords of them) from a Python sequence, or
+// nullptr for None (the producer then reads the context block).
+inline const int64_t* firing_words(const py::object& ctx, int64_t* words) {
+  if (ctx.is_none()) return nullptr;
+  const auto v = ctx.cast<std::vector<int64_t>>();
+  if (v.size() != static_cast<size_t>(kFiringWords))
+    throw std::invalid_argument("ctx: " + std::to_string(kFiringWords) + " context words (iteration, microbatch, "
+                                "attempt, phase code, invocation), not " + std::to_string(v.size()));
+  std::copy(v.begin(), v.end(), words);
+  return words;
+}
+
+// The arguments of publish_group, checked: 1 to kMaxGroup records, as many sizes and sites, and
+// kFiringWords context words per record (one flat list).
+inline size_t check_group(const std::vector<uintptr_t>& srcs, const std::vector<uint64_t>& nbytes,
+                          const std::vector<uint32_t>& sites, const std::vector<int64_t>& ctx, uint64_t cap) {
+  const size_t n = srcs.size();
+  if (n < 1 || n > static_cast<size_t>(kMaxGroup) || nbytes.size() != n || sites.size() != n ||
+      ctx.size() != n * kFiringWords)
+    throw std::invalid_argument("publish_group: 1 to " + std::to_string(kMaxGroup) + " records, as many sizes and "
+                                "sites, and " + std::to_string(kFiringWords) + " context words per record");
+  for (uint64_t b : nbytes)
+    if (b > cap) throw std::invalid_argument("record larger than the ring");
+  return n;
+}
+
+// Module attributes and the bindings that are the same for both builds: every constant and code
+// of ring_protocol.h, which transport/abi.py checks at load.
 template <class Ring>
 void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) {
   m.attr("SLOT_ALIGN") = kSlotAlign;
@@ -191,6 +216,26 @@ void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) 
   m.attr("MAX_GROUP") = kMaxGroup;
   m.attr("DESC_BYTES") = sizeof(Desc);
   m.attr("TAKE_WORDS") = kTakeWords;
+  py::tuple columns(kTakeWords);
+  for (int i = 0; i < kTakeWords; ++i) columns[i] = py::str(kTakeColumns[i]);
+  m.attr("TAKE_COLUMNS") = columns;
+  py::dict on_full;
+  on_full["drop"] = static_cast<int>(kDrop);
+  on_full["block"] = static_cast<int>(kBlock);
+  m.attr("ON_FULL") = on_full;
+  py::dict results;
+  results["rejected"] = static_cast<int>(kRejected);
+  results["dropped"] = static_cast<int>(kDropped);
+  results["accepted"] = static_cast<int>(kAccepted);
+  results["timed_out"] = static_cast<int>(kTimedOut);
+  m.attr("PUBLISH_RESULT") = results;
+  py::dict router_dtypes;
+  router_dtypes["float32"] = static_cast<int>(RouterDtype::kFloat32);
+  router_dtypes["bfloat16"] = static_cast<int>(RouterDtype::kBFloat16);
+  router_dtypes["float16"] = static_cast<int>(RouterDtype::kFloat16);
+  m.attr("ROUTER_DTYPE") = router_dtypes;
+  m.attr("ROUTER_SELECT_MAX_K") = kRouterSelectMaxK;
+  m.attr("ROUTER_SELECT_MAX_EXPERTS") = kRouterSelectMaxExperts;
   m.attr("BUILD") = build;
   cls.def("take", [](Ring& r, size_t n, double timeout) { return take_records(r, n, timeout); })
       .def(

@@ -26,6 +26,7 @@ class HostRing : public RingCore {
  public:
   HostRing(uint64_t cap, uint64_t desc_cap, uint64_t staging_cap, int on_full, double block_timeout_s)
       : on_full_(on_full), block_timeout_s_(block_timeout_s) {
+    check_on_full(on_full);
     if (cap < kSlotAlign || cap % kSlotAlign) throw std::invalid_argument("ring bytes must be a positive multiple of 256");
     if (staging_cap < cap || staging_cap % kSlotAlign) throw std::invalid_argument("staging bytes must be a multiple of 256 and >= ring bytes");
     if (desc_cap < 1) throw std::invalid_argument("descriptor capacity must be >= 1");
@@ -125,6 +126,16 @@ class HostRing : public RingCore {
     return kAccepted;
   }
 
+  // The records of one hook firing in one call: each reserved and copied in order (`ctx`: the
+  // firing words of every record, back to back). Returns one PublishResult per record.
+  std::vector<int> publish_group(const std::vector<uintptr_t>& srcs, const std::vector<uint64_t>& nbytes,
+                                 const std::vector<uint32_t>& sites, uint32_t mask, const std::vector<int64_t>& ctx) {
+    const size_t n = check_group(srcs, nbytes, sites, ctx, cap_);
+    std::vector<int> out(n);
+    for (size_t i = 0; i < n; ++i) out[i] = publish(srcs[i], nbytes[i], sites[i], mask, ctx.data() + i * kFiringWords);
+    return out;
+  }
+
   void set_gate(int32_t value) { gate_.store(value, std::memory_order_release); }
   int32_t gate() const { return gate_.load(std::memory_order_acquire); }
 
@@ -173,17 +184,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("staging_bytes"), py::arg("on_full_block"), py::arg("block_timeout_s"))
       .def("publish",
            [](HostRing& r, uintptr_t src, uint64_t nbytes, uint32_t site, uint32_t mask, py::object ctx) {
-             int64_t words[dmi::kCtxWords] = {0};
-             const int64_t* c = nullptr;
-             if (!ctx.is_none()) {
-               auto v = ctx.cast<std::vector<int64_t>>();
-               for (size_t i = 0; i < v.size() && i < static_cast<size_t>(dmi::kCtxWords); ++i) words[i] = v[i];
-               c = words;
-             }
+             int64_t words[dmi::kFiringWords];
+             const int64_t* c = dmi::firing_words(ctx, words);
              py::gil_scoped_release nogil;
              return r.publish(src, nbytes, site, mask, c);
            },
            py::arg("src_ptr"), py::arg("nbytes"), py::arg("site"), py::arg("mask") = 1, py::arg("ctx") = py::none())
+      .def("publish_group", &HostRing::publish_group, py::call_guard<py::gil_scoped_release>(), py::arg("src_ptrs"),
+           py::arg("nbytes"), py::arg("sites"), py::arg("mask"), py::arg("ctx"))
       .def("set_gate", &HostRing::set_gate)
       .def("gate", &HostRing::gate)
       .def("set_context", &HostRing::set_context, py::call_guard<py::gil_scoped_release>())

@@ -35,6 +35,14 @@ class RingTooSmallError(DMIError, ValueError):
     """A single record can never fit in the ring."""
 
 
+class TransportInputError(DMIError, ValueError):
+    """A tensor, key or argument a transport cannot take (wrong device, dtype, shape, phase, size)."""
+
+
+class TransportStateError(DMIError, RuntimeError):
+    """A transport call made in a state that forbids it (closed, spooling, inside graph capture)."""
+
+
 @dataclass
 class TransportStats:
     """A transport's counters: records and bytes published, dropped, rejected, drained; time blocked."""
