@@ -46,6 +46,7 @@ from megatron.core.dmi.transport.base import (
     capturing_graph,
 )
 from megatron.core.dmi.transport.blobs import BlobPool
+from megatron.core.dmi.transport.native_api import CudaRing, HostRing
 
 # A batch filling less than this share of its pooled buffer is copied out, so a trickle of small
 # batches never pins many large buffers while they wait in the sink.
@@ -111,6 +112,7 @@ class NativeRingTransport(Transport):
         self.desc_capacity = int(desc_capacity)
         self.staging_bytes = int(staging_bytes)
         on_full_native = on_full_code(on_full)
+        self._ring: HostRing | CudaRing
         if device.type == "cuda":
             self._mod = jit.load_cuda()
             self._ring = self._mod.CudaRing(
