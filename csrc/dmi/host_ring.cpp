@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 
 #include "bind_common.h"
 
@@ -20,6 +21,24 @@ static T* alloc_zeroed(uint64_t bytes) {
 }
 
 static uint64_t load_relaxed(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+
+// A producer keeps the GIL for a small copy: handing it over costs more than the copy whenever
+// another Python thread (the consumer) wants it, as that thread then runs for up to the
+// interpreter's switch interval before the producer gets it back. It gives the GIL up only to
+// wait (for the producer lock or for ring space, which the consumer may have to free) or to copy
+// at least kReleaseGilBytes, and takes it back when destroyed: declared before the producer
+// lock, so after that lock is released (never waiting for the GIL while holding it).
+constexpr uint64_t kReleaseGilBytes = 1 << 20;
+
+class GilRelease {
+ public:
+  void release() {
+    if (!released_) released_.emplace();
+  }
+
+ private:
+  std::optional<py::gil_scoped_release> released_;
+};
 static void bump(uint64_t* p, uint64_t v) { store_release(p, load_relaxed(p) + v); }
 
 class HostRing : public RingCore {
@@ -56,14 +75,20 @@ class HostRing : public RingCore {
     }
   }
 
-  // Producer: copy nbytes at src into the ring under `site`. Runs on the caller's thread.
+  // Producer: copy nbytes at src into the ring under `site`. Runs on the caller's thread, which
+  // holds the GIL (see GilRelease).
   // `ctx` (optional, kCtxWords words): explicit context words for this record instead of the
   // context block (the eager `publish(key, tensor)` path: atomic with the reservation).
   int publish(uintptr_t src, uint64_t nbytes, uint32_t site, uint32_t mask, const int64_t* ctx = nullptr) {
     if (closed_) throw std::runtime_error("ring is closed");
     if (nbytes > cap_) throw std::invalid_argument("record larger than the ring");
     const int32_t gate = gate_.load(std::memory_order_acquire);
-    std::unique_lock<std::mutex> lk(prod_mu_);
+    GilRelease nogil;
+    std::unique_lock<std::mutex> lk(prod_mu_, std::try_to_lock);
+    if (!lk.owns_lock()) {
+      nogil.release();
+      lk.lock();
+    }
     if ((static_cast<uint32_t>(gate) & mask) == 0) {  // rejected: nothing published or consumed
       bump(&shared_->rejected, 1);
       return kRejected;
@@ -89,6 +114,7 @@ class HostRing : public RingCore {
         return kDropped;
       }
       waited = true;
+      nogil.release();
       if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > block_timeout_s_) {
         count_wait();
         bump(&shared_->dropped, 1);
@@ -104,6 +130,7 @@ class HostRing : public RingCore {
     const uint64_t seq = seq_++;
     head_ = vstart + span;
     const uint64_t off = vstart % cap_;
+    if (nbytes >= kReleaseGilBytes) nogil.release();
     if (nbytes) std::memcpy(payload_ + off, reinterpret_cast<const void*>(src), nbytes);
     Desc* d = &descs_[seq % desc_cap_];
     const int64_t* c = ctx ? ctx : ctx_;
@@ -185,12 +212,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("publish",
            [](HostRing& r, uintptr_t src, uint64_t nbytes, uint32_t site, uint32_t mask, py::object ctx) {
              int64_t words[dmi::kFiringWords];
-             const int64_t* c = dmi::firing_words(ctx, words);
-             py::gil_scoped_release nogil;
-             return r.publish(src, nbytes, site, mask, c);
+             return r.publish(src, nbytes, site, mask, dmi::firing_words(ctx, words));
            },
            py::arg("src_ptr"), py::arg("nbytes"), py::arg("site"), py::arg("mask") = 1, py::arg("ctx") = py::none())
-      .def("publish_group", &HostRing::publish_group, py::call_guard<py::gil_scoped_release>(), py::arg("src_ptrs"),
+      .def("publish_group", &HostRing::publish_group, py::arg("src_ptrs"),
            py::arg("nbytes"), py::arg("sites"), py::arg("mask"), py::arg("ctx"))
       .def("set_gate", &HostRing::set_gate)
       .def("gate", &HostRing::gate)
