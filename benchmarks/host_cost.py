@@ -166,9 +166,8 @@ def device_name(device: torch.device) -> str:
     return f"{model} ({os.cpu_count()} CPUs)"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model's size and the ring's (shared with step_time_paired.py)."""
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
@@ -178,6 +177,32 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--ring-mb", type=float, default=64.0)
+
+
+def run_facts(a, device: torch.device) -> dict:
+    """What a results JSON names: the device, the code, torch and the model's size."""
+    return {
+        "device": device_name(device),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip(),
+        "torch": torch.__version__,
+        "model": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "experts", "topk", "seq", "micro_batch")},
+    }
+
+
+def finish(path: str | None, out: dict) -> None:
+    """Write the results to ``path`` (if given) and end the process group."""
+    if path:
+        write_json(path, out)
+    ps.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument(
@@ -204,12 +229,7 @@ def main() -> None:
             model.train()  # phase "train"; only grad runs backward, the other groups forward only
             results[group] = clock_group(model, group, a, device, store, a.profile)
     out = {
-        "device": device_name(device),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "torch": torch.__version__,
-        "model": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "experts", "topk", "seq", "micro_batch")},
+        **run_facts(a, device),
         "steps": a.steps,
         "not_captured.host_us_per_site": summary([s for v in results["not_captured"]["samples"].values() for s in v]),
         "targets_us": {"router": 100, "attn": 40, "not_captured_per_site": 2},
@@ -225,10 +245,7 @@ def main() -> None:
         per_step = out.get(key.rsplit(".", 1)[0] + ".host_us_per_step", float("nan"))
         print(f"{key:<36}{s['median']:>12.1f}{s['p10']:>10.1f}{s['p90']:>10.1f}{s['firings']:>9}{per_step:>10.0f}")
     print(f"device: {out['device']}")
-    if a.out:
-        write_json(a.out, out)
-    ps.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    finish(a.out, out)
 
 
 if __name__ == "__main__":

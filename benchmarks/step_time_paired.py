@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import tempfile
 import time
 
 import numpy as np
 import torch
-from host_cost import build_model, device_name, init  # benchmarks/ is the script directory
-from results_json import write_json  # benchmarks/ is the script directory
+from host_cost import add_model_args, build_model, finish, init, run_facts  # benchmarks/ is the script directory
 
-from megatron.core import parallel_state as ps
 from megatron.core.dmi.catalog import parse_hooks
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.session import DMISession
@@ -128,15 +125,7 @@ def main() -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--pairs", type=int, default=700, help="arm pairs per arm (as many A/A pairs go with them)")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per arm")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--ring-mb", type=float, default=64.0)
+    add_model_args(p)
     p.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -150,12 +139,7 @@ def main() -> None:
     rng = random.Random(a.seed)
     np_rng = np.random.default_rng(a.seed)
     out: dict = {
-        "device": device_name(device),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip(),
-        "torch": torch.__version__,
-        "model": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "experts", "topk", "seq", "micro_batch")},
+        **run_facts(a, device),
         "statistic": f"{TRIM:.0%}-trimmed mean of paired step-time differences, 95% bootstrap interval",
     }
     aa_all: list[float] = []
@@ -189,10 +173,7 @@ def main() -> None:
     print(
         f"aa_floor_pct {out['aa_floor_pct']:.3f}; uncaptured step {out['step_ms_uncaptured_median']:.1f} ms; device: {out['device']}"
     )
-    if a.out:
-        write_json(a.out, out)
-    ps.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    finish(a.out, out)
 
 
 if __name__ == "__main__":

@@ -211,7 +211,7 @@ def _load(kind: str, verbose: bool = False, import_module: bool = True):
                     with_cuda=(kind == "cuda"),
                     **opts,
                 )
-        except Exception as ex:  # compiler errors, missing toolkit, ...
+        except (RuntimeError, OSError, ImportError) as ex:  # compiler errors, missing toolkit, a bad library
             raise NativeBuildError(f"building the DMI {kind} ring failed: {ex}") from ex
     seconds = time.perf_counter() - t0
     _timings[kind] = {"name": name, "seconds": seconds, "cached": cached, "build_dir": str(build_dir)}
