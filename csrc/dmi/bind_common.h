@@ -4,11 +4,12 @@
 
 #include <Python.h>
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
+#include <pybind11/stl.h>  // also std::optional arguments (None)
 
 #include <ATen/dlpack.h>
 
 #include <algorithm>
+#include <optional>
 #include <cstdint>
 #include <thread>
 #include <vector>
@@ -182,9 +183,9 @@ inline py::object make_dlpack(py::object owner, void* data, int64_t nbytes, bool
 
 // The explicit context words of one record (kFiringWords of them) from a Python sequence, or
 // nullptr for None (the producer then reads the context block).
-inline const int64_t* firing_words(const py::object& ctx, int64_t* words) {
-  if (ctx.is_none()) return nullptr;
-  const auto v = ctx.cast<std::vector<int64_t>>();
+inline const int64_t* firing_words(const std::optional<std::vector<int64_t>>& ctx, int64_t* words) {
+  if (!ctx) return nullptr;
+  const std::vector<int64_t>& v = *ctx;
   if (v.size() != static_cast<size_t>(kFiringWords))
     throw std::invalid_argument("ctx: " + std::to_string(kFiringWords) + " context words (iteration, microbatch, "
                                 "attempt, phase code, invocation), not " + std::to_string(v.size()));
@@ -206,10 +207,33 @@ inline size_t check_group(const std::vector<uintptr_t>& srcs, const std::vector<
   return n;
 }
 
+// This module's C++ errors as DMI's Python errors (megatron/core/dmi/transport/base.py), so a
+// caller catches them with `except DMIError`: std::invalid_argument -> TransportInputError (a
+// ValueError), std::runtime_error -> NativeRingError (a RuntimeError). Module-local: both builds
+// may be loaded in one process.
+inline void translate_errors() {
+  static py::handle input_error, ring_error;  // kept for the process's life, like the module
+  py::module_ base = py::module_::import("megatron.core.dmi.transport.base");
+  input_error = py::object(base.attr("TransportInputError")).release();
+  ring_error = py::object(base.attr("NativeRingError")).release();
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const py::builtin_exception&) {
+      throw;  // pybind11's own (a failed cast, ...): its default translation
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(input_error.ptr(), e.what());
+    } catch (const std::runtime_error& e) {
+      PyErr_SetString(ring_error.ptr(), e.what());
+    }
+  });
+}
+
 // Module attributes and the bindings that are the same for both builds: every constant and code
 // of ring_protocol.h, which transport/abi.py checks at load.
 template <class Ring>
 void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) {
+  translate_errors();
   m.attr("SLOT_ALIGN") = kSlotAlign;
   m.attr("CTX_WORDS") = kCtxWords;
   m.attr("FIRING_WORDS") = kFiringWords;

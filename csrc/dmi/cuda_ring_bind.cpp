@@ -84,7 +84,8 @@ class CudaRing : public RingCore {
     stop_drain();
   }
 
-  void publish(uintptr_t src, uint64_t nbytes, uint32_t site, uint32_t mask, uintptr_t stream, py::object ctx) {
+  void publish(uintptr_t src, uint64_t nbytes, uint32_t site, uint32_t mask, uintptr_t stream,
+               const std::optional<std::vector<int64_t>>& ctx) {
     if (closed_) throw std::runtime_error("ring is closed");
     if (nbytes > cap_) throw std::invalid_argument("record larger than the ring");
     CtxArg c{};

@@ -30,6 +30,7 @@ static uint64_t load_relaxed(const uint64_t* p) { return __atomic_load_n(p, __AT
 // lock, so after that lock is released (never waiting for the GIL while holding it).
 constexpr uint64_t kReleaseGilBytes = 1 << 20;
 
+namespace {  // pybind11's types are hidden: so is this holder of one
 class GilRelease {
  public:
   void release() {
@@ -39,6 +40,7 @@ class GilRelease {
  private:
   std::optional<py::gil_scoped_release> released_;
 };
+}  // namespace
 static void bump(uint64_t* p, uint64_t v) { store_release(p, load_relaxed(p) + v); }
 
 class HostRing : public RingCore {
@@ -210,7 +212,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<uint64_t, uint64_t, uint64_t, int, double>(), py::arg("ring_bytes"), py::arg("desc_capacity"),
            py::arg("staging_bytes"), py::arg("on_full_block"), py::arg("block_timeout_s"))
       .def("publish",
-           [](HostRing& r, uintptr_t src, uint64_t nbytes, uint32_t site, uint32_t mask, py::object ctx) {
+           [](HostRing& r, uintptr_t src, uint64_t nbytes, uint32_t site, uint32_t mask,
+              const std::optional<std::vector<int64_t>>& ctx) {
              int64_t words[dmi::kFiringWords];
              return r.publish(src, nbytes, site, mask, dmi::firing_words(ctx, words));
            },

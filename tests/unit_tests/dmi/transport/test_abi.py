@@ -6,6 +6,7 @@ import pytest
 
 from megatron.core.dmi.key import Firing
 from megatron.core.dmi.transport import abi, jit
+from megatron.core.dmi.transport.base import NativeRingError, TransportInputError
 
 
 def test_the_host_build_exports_every_shared_constant_with_pythons_value():
@@ -52,16 +53,16 @@ def test_every_shared_enum_and_the_column_order_are_part_of_the_check():
 def test_an_unknown_on_full_is_an_error_in_python_and_in_the_build():
     with pytest.raises(abi.OnFullError, match="'spill'"):
         abi.on_full_code("spill")
-    with pytest.raises(ValueError, match="on_full code 7"):
+    with pytest.raises(TransportInputError, match="on_full code 7"):  # a DMIError, from C++
         jit.load_host().HostRing(1 << 12, 64, 1 << 12, 7, 1.0)
 
 
 def test_a_producer_takes_exactly_one_firings_context_words():
     ring = jit.load_host().HostRing(1 << 12, 64, 1 << 12, abi.ON_FULL["drop"], 1.0)
     try:
-        with pytest.raises(ValueError, match=f"{abi.FIRING_WORDS} context words"):
+        with pytest.raises(TransportInputError, match=f"{abi.FIRING_WORDS} context words"):
             ring.publish(0, 0, 0, 1, [1, 2, 3])
-        with pytest.raises(ValueError, match="publish_group"):
+        with pytest.raises(TransportInputError, match="publish_group"):
             ring.publish_group([0, 0], [0, 0], [0, 0], 1, [0] * abi.FIRING_WORDS)
         codes = ring.publish_group([0, 0], [0, 0], [0, 1], 1, list(range(2 * abi.FIRING_WORDS)))
         assert codes == [abi.ACCEPTED, abi.ACCEPTED]
@@ -72,3 +73,5 @@ def test_a_producer_takes_exactly_one_firings_context_words():
         assert [r[1:7] for r in rows] == [(0, 0, 1, 2, 3, 4), (1, 5, 6, 7, 8, 9)]
     finally:
         ring.close()
+    with pytest.raises(NativeRingError, match="ring is closed"):
+        ring.publish(0, 0, 0, 1, None)
