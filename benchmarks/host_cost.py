@@ -1,18 +1,22 @@
-"""DMI's host time per hook firing, per output group, clocked directly (issue 22, DESIGN section 10).
+"""DMI's host time per hook firing, per output group, clocked directly (issues 22 and 30, DESIGN section 10).
 
 An eager MoE step is host-bound, so DMI's host microseconds per firing are its direct cost on the
 step. This script builds a megatron-core MoE GPT (local spec) on the GPU, or on the CPU through
 DMI's CPU shim, attaches DMI through ``DMISession`` (``--dmi-persist none``: capture and transport,
-no store), wraps its sites with ``hook_clock.HookClock`` and runs forward passes:
+no store) with one group selected at a time, wraps its sites with ``hook_clock.HookClock`` and runs
+passes (forward only; forward and backward for ``grad``):
 
 * ``router``: one router firing (4 outputs: logits, top-k ids and weights, expert counts), DMI's
   time = the wrapper's time minus the router's own routing inside it;
 * ``attn``: one core-attention firing (``attn.context``);
-* ``not_captured``: the same sites on an iteration DMI does not capture (``--dmi-interval``), per site.
+* ``resid``, ``mlp``, ``mlp.experts``, ``loss``, ``logits``, ``grad``: one firing of any of the
+  group's sites (``grad``: the forward-side hooks and each gradient published in backward);
+* ``not_captured``: the router and attention sites on an iteration DMI does not capture, per site.
 
 Targets on the H200 host: router <= 100 us, attention <= 40 us, not captured <= 2 us per site. On a
 CPU the producer's copy runs on the calling thread (a memcpy), so CPU figures include the copy that
-a GPU does asynchronously; the Python part is the same.
+a GPU does asynchronously; the Python part is the same. ``--profile DIR`` also writes a cProfile of
+DMI's own time in each group's passes (``DIR/<group>.txt``: the functions by own time).
 
     python benchmarks/host_cost.py --out benchmarks/results/host_cost_<device>.json
 """
@@ -20,9 +24,12 @@ a GPU does asynchronously; the Python part is the same.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import os
 import platform
+import pstats
 import socket
 import statistics
 import subprocess
@@ -91,9 +98,12 @@ def build_model(a, device: torch.device) -> torch.nn.Module:
     return Float16Module(config, model) if on_gpu else model
 
 
-def clock_group(model, group: str, a, device, store: str) -> dict:
-    """Forward passes with one group captured (or, for ``not_captured``, the router and attention
-    sites installed but no iteration captured); DMI host seconds per firing by site kind."""
+GROUPS = ("router", "attn", "resid", "mlp", "mlp.experts", "loss", "logits", "grad")
+
+
+def clock_group(model, group: str, a, device, store: str, profile_dir: str | None = None) -> dict:
+    """Passes with one group captured (or, for ``not_captured``, the router and attention sites
+    installed but no iteration captured); DMI host seconds per firing by group."""
     hooks = "router,attn" if group == "not_captured" else group
     config = DMIConfig(
         hooks=parse_hooks(hooks),
@@ -102,30 +112,41 @@ def clock_group(model, group: str, a, device, store: str) -> dict:
         ring_mb=a.ring_mb,
         start_iter=NEVER if group == "not_captured" else 1,
     )
-    clock = HookClock(model)
+    profiler = cProfile.Profile() if profile_dir else None
+    clock = HookClock(model, profiler)
     clock.before_attach()
     session = DMISession(config, device=device, command_line=["host_cost.py"])
     session.attach(model)
-    clock.after_attach()
+    clock.after_attach(session)
     ids = torch.randint(0, a.vocab, (a.micro_batch, a.seq), device=device)
     pos = torch.arange(a.seq, device=device).unsqueeze(0).expand(a.micro_batch, -1)
+    backward = group == "grad"
     samples: dict[str, list[float]] = {}
     gc.collect()
     gc.disable()  # no collection inside a clocked firing
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(backward):
             for step in range(1, a.warmup + a.steps + 1):
+                timed = step > a.warmup
                 session.before_forward(model, step)
-                model(ids, pos, None)
+                loss = model(ids, pos, None, labels=ids)
+                if backward:
+                    loss.float().mean().backward()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                if step > a.warmup:
+                if timed:
                     for kind, v in clock.samples.items():
                         samples.setdefault(kind, []).extend(v)
                 clock.samples.clear()
+                model.zero_grad(set_to_none=True)
     finally:
         gc.enable()
     report = session.close()
+    if profiler:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(40)
+        with open(os.path.join(profile_dir, f"{group}.txt"), "w") as f:
+            f.write(f"# {group}: DMI's own time in {a.warmup + a.steps} passes, cProfile by own time\n{out.getvalue()}")
     return {"samples": samples, "published": report.lines[0]}
 
 
@@ -145,9 +166,8 @@ def device_name(device: torch.device) -> str:
     return f"{model} ({os.cpu_count()} CPUs)"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model's size and the ring's (shared with step_time_paired.py)."""
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
@@ -157,43 +177,75 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--ring-mb", type=float, default=64.0)
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    a = p.parse_args()
 
-    on_gpu = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
-    init(on_gpu)
-    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
-    results: dict = {}
-    with tempfile.TemporaryDirectory() as store:
-        for group in ("router", "attn", "not_captured"):
-            torch.manual_seed(1234)
-            model = build_model(a, device)  # a fresh model per group: no clock wraps another's
-            model.train()  # phase "train"; forwards run without autograd (no_grad): only the hooks matter
-            results[group] = clock_group(model, group, a, device, store)
-    out = {
+
+def run_facts(a, device: torch.device) -> dict:
+    """What a results JSON names: the device, the code, torch and the model's size."""
+    return {
         "device": device_name(device),
         "commit": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),
         "torch": torch.__version__,
         "model": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "experts", "topk", "seq", "micro_batch")},
+    }
+
+
+def finish(path: str | None, out: dict) -> None:
+    """Write the results to ``path`` (if given) and end the process group."""
+    if path:
+        write_json(path, out)
+    ps.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    add_model_args(p)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--groups", default=",".join(GROUPS), help="comma-separated groups to clock (not_captured always runs)"
+    )
+    p.add_argument("--profile", default=None, metavar="DIR", help="write a cProfile summary per group into DIR")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    a = p.parse_args()
+    groups = [g for g in a.groups.split(",") if g]
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        p.error(f"unknown groups {unknown}; choose from {list(GROUPS)}")
+    if a.profile:
+        os.makedirs(a.profile, exist_ok=True)
+
+    on_gpu = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    init(on_gpu)
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as store:
+        for group in (*groups, "not_captured"):
+            torch.manual_seed(1234)
+            model = build_model(a, device)  # a fresh model per group: no clock wraps another's
+            model.train()  # phase "train"; only grad runs backward, the other groups forward only
+            results[group] = clock_group(model, group, a, device, store, a.profile)
+    out = {
+        **run_facts(a, device),
         "steps": a.steps,
-        "router.host_us_per_firing": summary(results["router"]["samples"]["router"]),
-        "attn.host_us_per_firing": summary(results["attn"]["samples"]["attn"]),
         "not_captured.host_us_per_site": summary([s for v in results["not_captured"]["samples"].values() for s in v]),
         "targets_us": {"router": 100, "attn": 40, "not_captured_per_site": 2},
     }
-    print(f"{'what':<32}{'median us':>12}{'p10':>10}{'p90':>10}{'firings':>9}")
-    for key in ("router.host_us_per_firing", "attn.host_us_per_firing", "not_captured.host_us_per_site"):
+    for group in groups:
+        seconds = results[group]["samples"].get(group, [])
+        if seconds:
+            out[f"{group}.host_us_per_firing"] = summary(seconds)
+            out[f"{group}.host_us_per_step"] = sum(seconds) * 1e6 / a.steps
+    print(f"{'what':<36}{'median us':>12}{'p10':>10}{'p90':>10}{'firings':>9}{'us/step':>10}")
+    for key in [k for k in out if k.endswith(".host_us_per_firing") or k.endswith(".host_us_per_site")]:
         s = out[key]
-        print(f"{key:<32}{s['median']:>12.1f}{s['p10']:>10.1f}{s['p90']:>10.1f}{s['firings']:>9}")
+        per_step = out.get(key.rsplit(".", 1)[0] + ".host_us_per_step", float("nan"))
+        print(f"{key:<36}{s['median']:>12.1f}{s['p10']:>10.1f}{s['p90']:>10.1f}{s['firings']:>9}{per_step:>10.0f}")
     print(f"device: {out['device']}")
-    if a.out:
-        write_json(a.out, out)
-    ps.destroy_model_parallel()
-    torch.distributed.destroy_process_group()
+    finish(a.out, out)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,12 @@
 
 #include <Python.h>
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
+#include <pybind11/stl.h>  // also std::optional arguments (None)
 
 #include <ATen/dlpack.h>
 
 #include <algorithm>
+#include <optional>
 #include <cstdint>
 #include <thread>
 #include <vector>
@@ -81,9 +82,7 @@ inline py::tuple take_into(RingCore& core, size_t max_records, double timeout_s,
       for (const Entry& e : got) {
         if (e.d.nbytes) std::memcpy(out, st + e.staging_off, e.d.nbytes);
         out += e.d.nbytes;
-        const uint64_t row[kTakeWords] = {e.seq, e.d.site, e.d.iteration, e.d.microbatch, e.d.attempt,
-                                          e.d.phase, e.d.invocation, e.d.nbytes, 0};
-        words.insert(words.end(), row, row + kTakeWords);
+        append_take_row(e, 0, words);  // the checksum is filled in below
       }
       core.release_staging(got);
     }
@@ -93,12 +92,12 @@ inline py::tuple take_into(RingCore& core, size_t max_records, double timeout_s,
     const uint8_t* at = reinterpret_cast<const uint8_t*>(dest);
     for (size_t i = 0; i < n; ++i) {
       ptrs[i] = at;
-      lens[i] = words[i * kTakeWords + 7];
+      lens[i] = words[i * kTakeWords + kTakeNbytes];
       at += lens[i];
     }
     std::vector<uint32_t> crc;
     checksum_spans(ptrs, lens, crc);
-    for (size_t i = 0; i < n; ++i) words[i * kTakeWords + 8] = crc[i];
+    for (size_t i = 0; i < n; ++i) words[i * kTakeWords + kTakeCrc32] = crc[i];
   }
   return py::make_tuple(py::bytes(reinterpret_cast<const char*>(words.data()), words.size() * sizeof(uint64_t)),
                         too_big);
@@ -182,15 +181,85 @@ inline py::object make_dlpack(py::object owner, void* data, int64_t nbytes, bool
   return py::reinterpret_steal<py::object>(cap);
 }
 
-// Module attributes and the bindings that are the same for both builds.
+// The explicit context words of one record (kFiringWords of them) from a Python sequence, or
+// nullptr for None (the producer then reads the context block).
+inline const int64_t* firing_words(const std::optional<std::vector<int64_t>>& ctx, int64_t* words) {
+  if (!ctx) return nullptr;
+  const std::vector<int64_t>& v = *ctx;
+  if (v.size() != static_cast<size_t>(kFiringWords))
+    throw std::invalid_argument("ctx: " + std::to_string(kFiringWords) + " context words (iteration, microbatch, "
+                                "attempt, phase code, invocation), not " + std::to_string(v.size()));
+  std::copy(v.begin(), v.end(), words);
+  return words;
+}
+
+// The arguments of publish_group, checked: 1 to kMaxGroup records, as many sizes and sites, and
+// kFiringWords context words per record (one flat list).
+inline size_t check_group(const std::vector<uintptr_t>& srcs, const std::vector<uint64_t>& nbytes,
+                          const std::vector<uint32_t>& sites, const std::vector<int64_t>& ctx, uint64_t cap) {
+  const size_t n = srcs.size();
+  if (n < 1 || n > static_cast<size_t>(kMaxGroup) || nbytes.size() != n || sites.size() != n ||
+      ctx.size() != n * kFiringWords)
+    throw std::invalid_argument("publish_group: 1 to " + std::to_string(kMaxGroup) + " records, as many sizes and "
+                                "sites, and " + std::to_string(kFiringWords) + " context words per record");
+  for (uint64_t b : nbytes)
+    if (b > cap) throw std::invalid_argument("record larger than the ring");
+  return n;
+}
+
+// This module's C++ errors as DMI's Python errors (megatron/core/dmi/transport/base.py), so a
+// caller catches them with `except DMIError`: std::invalid_argument -> TransportInputError (a
+// ValueError), std::runtime_error -> NativeRingError (a RuntimeError). Module-local: both builds
+// may be loaded in one process.
+inline void translate_errors() {
+  static py::handle input_error, ring_error;  // kept for the process's life, like the module
+  py::module_ base = py::module_::import("megatron.core.dmi.transport.base");
+  input_error = py::object(base.attr("TransportInputError")).release();
+  ring_error = py::object(base.attr("NativeRingError")).release();
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const py::builtin_exception&) {
+      throw;  // pybind11's own (a failed cast, ...): its default translation
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(input_error.ptr(), e.what());
+    } catch (const std::runtime_error& e) {
+      PyErr_SetString(ring_error.ptr(), e.what());
+    }
+  });
+}
+
+// Module attributes and the bindings that are the same for both builds: every constant and code
+// of ring_protocol.h, which transport/abi.py checks at load.
 template <class Ring>
 void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) {
+  translate_errors();
   m.attr("SLOT_ALIGN") = kSlotAlign;
   m.attr("CTX_WORDS") = kCtxWords;
   m.attr("FIRING_WORDS") = kFiringWords;
   m.attr("MAX_GROUP") = kMaxGroup;
   m.attr("DESC_BYTES") = sizeof(Desc);
   m.attr("TAKE_WORDS") = kTakeWords;
+  py::tuple columns(kTakeWords);
+  for (int i = 0; i < kTakeWords; ++i) columns[i] = py::str(kTakeColumns[i]);
+  m.attr("TAKE_COLUMNS") = columns;
+  py::dict on_full;
+  on_full["drop"] = static_cast<int>(kDrop);
+  on_full["block"] = static_cast<int>(kBlock);
+  m.attr("ON_FULL") = on_full;
+  py::dict results;
+  results["rejected"] = static_cast<int>(kRejected);
+  results["dropped"] = static_cast<int>(kDropped);
+  results["accepted"] = static_cast<int>(kAccepted);
+  results["timed_out"] = static_cast<int>(kTimedOut);
+  m.attr("PUBLISH_RESULT") = results;
+  py::dict router_dtypes;
+  router_dtypes["float32"] = static_cast<int>(RouterDtype::kFloat32);
+  router_dtypes["bfloat16"] = static_cast<int>(RouterDtype::kBFloat16);
+  router_dtypes["float16"] = static_cast<int>(RouterDtype::kFloat16);
+  m.attr("ROUTER_DTYPE") = router_dtypes;
+  m.attr("ROUTER_SELECT_MAX_K") = kRouterSelectMaxK;
+  m.attr("ROUTER_SELECT_MAX_EXPERTS") = kRouterSelectMaxExperts;
   m.attr("BUILD") = build;
   cls.def("take", [](Ring& r, size_t n, double timeout) { return take_records(r, n, timeout); })
       .def(

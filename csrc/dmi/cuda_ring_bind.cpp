@@ -19,6 +19,7 @@ class CudaRing : public RingCore {
  public:
   CudaRing(int device, uint64_t cap, uint64_t desc_cap, uint64_t staging_cap, int on_full, double block_timeout_s)
       : device_(device) {
+    check_on_full(on_full);
     if (cap < kSlotAlign || cap % kSlotAlign) throw std::invalid_argument("ring bytes must be a positive multiple of 256");
     if (staging_cap < cap || staging_cap % kSlotAlign) throw std::invalid_argument("staging bytes must be a multiple of 256 and >= ring bytes");
     if (desc_cap < 1) throw std::invalid_argument("descriptor capacity must be >= 1");
@@ -83,41 +84,34 @@ class CudaRing : public RingCore {
     stop_drain();
   }
 
-  void publish(uintptr_t src, uint64_t nbytes, uint32_t site, uint32_t mask, uintptr_t stream, py::object ctx) {
+  void publish(uintptr_t src, uint64_t nbytes, uint32_t site, uint32_t mask, uintptr_t stream,
+               const std::optional<std::vector<int64_t>>& ctx) {
     if (closed_) throw std::runtime_error("ring is closed");
     if (nbytes > cap_) throw std::invalid_argument("record larger than the ring");
     CtxArg c{};
-    if (!ctx.is_none()) {
-      auto v = ctx.cast<std::vector<int64_t>>();
-      for (size_t i = 0; i < v.size() && i < 5; ++i) c.w[i] = v[i];
-      c.use = 1;
-    }
+    c.use = firing_words(ctx, c.w) != nullptr;
     int ticket = static_cast<int>(ticket_.fetch_add(1) % kNumTickets);
     check(launch_publish(dev_, reinterpret_cast<const void*>(src), nbytes, site, mask, c, ticket, max_blocks_,
                          reinterpret_cast<cudaStream_t>(stream)),
           "producer launch");
   }
 
-  // Records of one firing in one pair of launches (see cuda_ring.cu); ctx: 5 words per record.
+  // Records of one firing in one pair of launches (see cuda_ring.cu); ctx: kFiringWords words per
+  // record, back to back.
   void publish_group(const std::vector<uintptr_t>& srcs, const std::vector<uint64_t>& nbytes,
-                     const std::vector<uint32_t>& sites, uint32_t mask, uintptr_t stream,
-                     const std::vector<std::vector<int64_t>>& ctx) {
+                     const std::vector<uint32_t>& sites, uint32_t mask, const std::vector<int64_t>& ctx,
+                     uintptr_t stream) {
     if (closed_) throw std::runtime_error("ring is closed");
-    const size_t n = srcs.size();
-    if (n < 1 || n > static_cast<size_t>(kMaxGroup) || nbytes.size() != n || sites.size() != n || ctx.size() != n)
-      throw std::invalid_argument("publish_group: 1 to 8 records, with as many sizes, sites and contexts");
+    const size_t n = check_group(srcs, nbytes, sites, ctx, cap_);
     GroupArg g{};
     g.n = static_cast<int32_t>(n);
     const uint64_t first = ticket_.fetch_add(n);
     for (size_t i = 0; i < n; ++i) {
-      if (nbytes[i] > cap_) throw std::invalid_argument("record larger than the ring");
-      if (ctx[i].size() != static_cast<size_t>(kFiringWords))
-        throw std::invalid_argument("publish_group: one firing's context words per record");
       g.src[i] = reinterpret_cast<const void*>(srcs[i]);
       g.nbytes[i] = nbytes[i];
       g.site[i] = sites[i];
       g.ticket[i] = static_cast<int32_t>((first + i) % kNumTickets);
-      for (int k = 0; k < kFiringWords; ++k) g.ctx[i][k] = ctx[i][k];
+      for (int k = 0; k < kFiringWords; ++k) g.ctx[i][k] = ctx[i * kFiringWords + k];
     }
     check(launch_publish_group(dev_, g, mask, max_blocks_, reinterpret_cast<cudaStream_t>(stream)), "group launch");
   }
@@ -183,7 +177,9 @@ void router_select(uintptr_t probs, uintptr_t routing_map, uintptr_t pre_probs, 
                    int experts, int k, int dtype, uintptr_t ids, uintptr_t weights, uintptr_t counts, uintptr_t stream) {
   if (k < 1 || k > kRouterSelectMaxK || k > experts) throw std::invalid_argument("router_select: top-k out of range");
   if (experts < 1 || experts > kRouterSelectMaxExperts) throw std::invalid_argument("router_select: expert count out of range");
-  if (dtype < 0 || dtype > 2) throw std::invalid_argument("router_select: unknown dtype code");
+  if (dtype != static_cast<int>(RouterDtype::kFloat32) && dtype != static_cast<int>(RouterDtype::kBFloat16) &&
+      dtype != static_cast<int>(RouterDtype::kFloat16))
+    throw std::invalid_argument("router_select: unknown dtype code " + std::to_string(dtype));
   RouterSelectArgs a{reinterpret_cast<const void*>(probs), reinterpret_cast<const bool*>(routing_map),
                      reinterpret_cast<const void*>(pre_probs), reinterpret_cast<const bool*>(pre_map), tokens, experts,
                      k, static_cast<RouterDtype>(dtype), reinterpret_cast<int32_t*>(ids),
@@ -200,8 +196,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("router_select", &dmi::router_select, py::arg("probs"), py::arg("routing_map"), py::arg("pre_probs"),
         py::arg("pre_map"), py::arg("tokens"), py::arg("experts"), py::arg("k"), py::arg("dtype"), py::arg("ids"),
         py::arg("weights"), py::arg("counts"), py::arg("stream"));
-  m.attr("ROUTER_SELECT_MAX_K") = dmi::kRouterSelectMaxK;
-  m.attr("ROUTER_SELECT_MAX_EXPERTS") = dmi::kRouterSelectMaxExperts;
   py::class_<CudaRing> cls(m, "CudaRing");
   dmi::bind_ring_common(m, cls, "cuda");
   cls
@@ -210,7 +204,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("publish", &CudaRing::publish, py::arg("src_ptr"), py::arg("nbytes"), py::arg("site"), py::arg("mask"),
            py::arg("stream"), py::arg("ctx") = py::none())
       .def("publish_group", &CudaRing::publish_group, py::arg("src_ptrs"), py::arg("nbytes"), py::arg("sites"),
-           py::arg("mask"), py::arg("stream"), py::arg("ctx"))
+           py::arg("mask"), py::arg("ctx"), py::arg("stream"))
       .def("set_gate", &CudaRing::set_gate, py::arg("value"), py::arg("stream"))
       .def("gate", &CudaRing::gate)
       .def("set_context", &CudaRing::set_context, py::arg("words"), py::arg("stream"))

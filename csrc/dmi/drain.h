@@ -45,6 +45,21 @@ struct Entry {
   uint64_t staging_vend;  // staging tail after this entry is taken
 };
 
+// The record's take row (TakeColumn order) appended to `words`.
+inline void append_take_row(const Entry& e, uint32_t crc32, std::vector<uint64_t>& words) {
+  uint64_t row[kTakeWords];
+  row[kTakeSeq] = e.seq;
+  row[kTakeSite] = e.d.site;
+  row[kTakeIteration] = static_cast<uint64_t>(e.d.iteration);
+  row[kTakeMicrobatch] = static_cast<uint64_t>(e.d.microbatch);
+  row[kTakeAttempt] = static_cast<uint64_t>(e.d.attempt);
+  row[kTakePhase] = static_cast<uint64_t>(e.d.phase);
+  row[kTakeInvocation] = static_cast<uint64_t>(e.d.invocation);
+  row[kTakeNbytes] = e.d.nbytes;
+  row[kTakeCrc32] = crc32;
+  words.insert(words.end(), row, row + kTakeWords);
+}
+
 struct DrainStats {
   uint64_t drained = 0;
   uint64_t drained_bytes = 0;

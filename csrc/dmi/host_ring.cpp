@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 
 #include "bind_common.h"
 
@@ -20,12 +21,33 @@ static T* alloc_zeroed(uint64_t bytes) {
 }
 
 static uint64_t load_relaxed(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+
+// A producer keeps the GIL for a small copy: handing it over costs more than the copy whenever
+// another Python thread (the consumer) wants it, as that thread then runs for up to the
+// interpreter's switch interval before the producer gets it back. It gives the GIL up only to
+// wait (for the producer lock or for ring space, which the consumer may have to free) or to copy
+// at least kReleaseGilBytes, and takes it back when destroyed: declared before the producer
+// lock, so after that lock is released (never waiting for the GIL while holding it).
+constexpr uint64_t kReleaseGilBytes = 1 << 20;
+
+namespace {  // pybind11's types are hidden: so is this holder of one
+class GilRelease {
+ public:
+  void release() {
+    if (!released_) released_.emplace();
+  }
+
+ private:
+  std::optional<py::gil_scoped_release> released_;
+};
+}  // namespace
 static void bump(uint64_t* p, uint64_t v) { store_release(p, load_relaxed(p) + v); }
 
 class HostRing : public RingCore {
  public:
   HostRing(uint64_t cap, uint64_t desc_cap, uint64_t staging_cap, int on_full, double block_timeout_s)
       : on_full_(on_full), block_timeout_s_(block_timeout_s) {
+    check_on_full(on_full);
     if (cap < kSlotAlign || cap % kSlotAlign) throw std::invalid_argument("ring bytes must be a positive multiple of 256");
     if (staging_cap < cap || staging_cap % kSlotAlign) throw std::invalid_argument("staging bytes must be a multiple of 256 and >= ring bytes");
     if (desc_cap < 1) throw std::invalid_argument("descriptor capacity must be >= 1");
@@ -55,14 +77,20 @@ class HostRing : public RingCore {
     }
   }
 
-  // Producer: copy nbytes at src into the ring under `site`. Runs on the caller's thread.
+  // Producer: copy nbytes at src into the ring under `site`. Runs on the caller's thread, which
+  // holds the GIL (see GilRelease).
   // `ctx` (optional, kCtxWords words): explicit context words for this record instead of the
   // context block (the eager `publish(key, tensor)` path: atomic with the reservation).
   int publish(uintptr_t src, uint64_t nbytes, uint32_t site, uint32_t mask, const int64_t* ctx = nullptr) {
     if (closed_) throw std::runtime_error("ring is closed");
     if (nbytes > cap_) throw std::invalid_argument("record larger than the ring");
     const int32_t gate = gate_.load(std::memory_order_acquire);
-    std::unique_lock<std::mutex> lk(prod_mu_);
+    GilRelease nogil;
+    std::unique_lock<std::mutex> lk(prod_mu_, std::try_to_lock);
+    if (!lk.owns_lock()) {
+      nogil.release();
+      lk.lock();
+    }
     if ((static_cast<uint32_t>(gate) & mask) == 0) {  // rejected: nothing published or consumed
       bump(&shared_->rejected, 1);
       return kRejected;
@@ -88,6 +116,7 @@ class HostRing : public RingCore {
         return kDropped;
       }
       waited = true;
+      nogil.release();
       if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > block_timeout_s_) {
         count_wait();
         bump(&shared_->dropped, 1);
@@ -103,6 +132,7 @@ class HostRing : public RingCore {
     const uint64_t seq = seq_++;
     head_ = vstart + span;
     const uint64_t off = vstart % cap_;
+    if (nbytes >= kReleaseGilBytes) nogil.release();
     if (nbytes) std::memcpy(payload_ + off, reinterpret_cast<const void*>(src), nbytes);
     Desc* d = &descs_[seq % desc_cap_];
     const int64_t* c = ctx ? ctx : ctx_;
@@ -123,6 +153,16 @@ class HostRing : public RingCore {
     lk.unlock();
     kick();
     return kAccepted;
+  }
+
+  // The records of one hook firing in one call: each reserved and copied in order (`ctx`: the
+  // firing words of every record, back to back). Returns one PublishResult per record.
+  std::vector<int> publish_group(const std::vector<uintptr_t>& srcs, const std::vector<uint64_t>& nbytes,
+                                 const std::vector<uint32_t>& sites, uint32_t mask, const std::vector<int64_t>& ctx) {
+    const size_t n = check_group(srcs, nbytes, sites, ctx, cap_);
+    std::vector<int> out(n);
+    for (size_t i = 0; i < n; ++i) out[i] = publish(srcs[i], nbytes[i], sites[i], mask, ctx.data() + i * kFiringWords);
+    return out;
   }
 
   void set_gate(int32_t value) { gate_.store(value, std::memory_order_release); }
@@ -172,18 +212,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<uint64_t, uint64_t, uint64_t, int, double>(), py::arg("ring_bytes"), py::arg("desc_capacity"),
            py::arg("staging_bytes"), py::arg("on_full_block"), py::arg("block_timeout_s"))
       .def("publish",
-           [](HostRing& r, uintptr_t src, uint64_t nbytes, uint32_t site, uint32_t mask, py::object ctx) {
-             int64_t words[dmi::kCtxWords] = {0};
-             const int64_t* c = nullptr;
-             if (!ctx.is_none()) {
-               auto v = ctx.cast<std::vector<int64_t>>();
-               for (size_t i = 0; i < v.size() && i < static_cast<size_t>(dmi::kCtxWords); ++i) words[i] = v[i];
-               c = words;
-             }
-             py::gil_scoped_release nogil;
-             return r.publish(src, nbytes, site, mask, c);
+           [](HostRing& r, uintptr_t src, uint64_t nbytes, uint32_t site, uint32_t mask,
+              const std::optional<std::vector<int64_t>>& ctx) {
+             int64_t words[dmi::kFiringWords];
+             return r.publish(src, nbytes, site, mask, dmi::firing_words(ctx, words));
            },
            py::arg("src_ptr"), py::arg("nbytes"), py::arg("site"), py::arg("mask") = 1, py::arg("ctx") = py::none())
+      .def("publish_group", &HostRing::publish_group, py::arg("src_ptrs"),
+           py::arg("nbytes"), py::arg("sites"), py::arg("mask"), py::arg("ctx"))
       .def("set_gate", &HostRing::set_gate)
       .def("gate", &HostRing::gate)
       .def("set_context", &HostRing::set_context, py::call_guard<py::gil_scoped_release>())

@@ -22,6 +22,8 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #if defined(__CUDACC__)
 #define DMI_HD __host__ __device__ __forceinline__
@@ -31,8 +33,10 @@
 
 namespace dmi {
 
-// Each constant below is exported to Python under its name without the k (SLOT_ALIGN, ...) and
-// checked against megatron/core/dmi/transport/abi.py when a build is loaded.
+// The one C++ definition of every number and code the native builds share with Python. Each is
+// exported to Python under its name without the k (SLOT_ALIGN, ...; the enums as name -> code
+// dicts, the take row's column order as TAKE_COLUMNS) by bind_ring_common (bind_common.h) and
+// checked against megatron/core/dmi/transport/abi.py whenever a build is loaded.
 constexpr uint64_t kSlotAlign = 256;
 constexpr int kCtxWords = 8;          // words of the device context block (the firing's and spare)
 constexpr int kMaxGroup = 8;          // records per publish_group: one reserve and one copy launch
@@ -48,10 +52,40 @@ enum CtxWord : int {
 constexpr int kFiringWords = kCtxInvocation + 1;  // the context words a descriptor carries
 static_assert(kFiringWords <= kCtxWords, "the context block holds a firing's words");
 
+// What a producer does when the ring is full. Any other code is refused by both builds'
+// constructors (check_on_full), so no build can read an unknown code its own way.
 enum OnFull : int { kDrop = 0, kBlock = 1 };
+
+inline void check_on_full(int code) {
+  if (code != kDrop && code != kBlock)
+    throw std::invalid_argument("on_full code " + std::to_string(code) + " is neither drop (0) nor block (1)");
+}
 
 // Result of one producer call (host build returns it; CUDA build records it in device counters).
 enum PublishResult : int { kRejected = -1, kDropped = 0, kAccepted = 1, kTimedOut = 2 };
+
+// The router selection kernel's input dtypes (router_select.cu) and limits (per-thread lists,
+// per-block histograms); the Python side falls back to the torch reference beyond them.
+enum class RouterDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+constexpr int kRouterSelectMaxK = 32;
+constexpr int kRouterSelectMaxExperts = 4096;
+
+// One row of uint64 words per record handed to Python by take_into and stored by the native spool
+// writer, in this column order (records.DESCRIPTOR_COLUMNS on the Python side).
+enum TakeColumn : int {
+  kTakeSeq = 0,
+  kTakeSite,
+  kTakeIteration,
+  kTakeMicrobatch,
+  kTakeAttempt,
+  kTakePhase,
+  kTakeInvocation,
+  kTakeNbytes,
+  kTakeCrc32,
+};
+constexpr int kTakeWords = kTakeCrc32 + 1;  // the row's length
+constexpr const char* kTakeColumns[kTakeWords] = {"seq",   "site",       "iteration", "microbatch", "attempt",
+                                                  "phase", "invocation", "nbytes",    "crc32"};
 
 // One record's descriptor: exactly 64 bytes. In the CUDA build it lives in mapped pinned host
 // memory (written by the producer kernels, read by the drain thread without any device sync).

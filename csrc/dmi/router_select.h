@@ -5,14 +5,9 @@
 
 #include <cstdint>
 
+#include "ring_protocol.h"  // RouterDtype, kRouterSelectMaxK, kRouterSelectMaxExperts
+
 namespace dmi {
-
-// Largest top-k and expert count the kernel takes (per-thread lists, per-block histograms); the
-// Python side falls back to the torch reference beyond them.
-constexpr int kRouterSelectMaxK = 32;
-constexpr int kRouterSelectMaxExperts = 4096;
-
-enum class RouterDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 // Row-major [tokens, experts] inputs, all contiguous on one device; outputs ids/weights [tokens, k]
 // and counts [2, experts] (zeroed by the launch).

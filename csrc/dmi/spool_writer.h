@@ -38,8 +38,6 @@
 
 namespace dmi {
 
-constexpr int kTakeWords = 9;  // seq, site, iteration, microbatch, attempt, phase, invocation, nbytes, crc32
-
 // zlib CRC-32 of each span into crc[i]. Large batches run on a few threads, and spans are cut
 // into pieces whose CRCs are combined, so one 32 MiB attention record does not hold up the writer,
 // which must keep pace with capture (~2 ms on one core with carry-less multiplication, ~15 ms with
@@ -274,12 +272,7 @@ class SpoolThread {
     }
     std::vector<uint64_t> words;
     words.reserve(rows * kTakeWords);
-    for (size_t i = 0; i < rows; ++i) {
-      const Entry& e = got[i];
-      const uint64_t row[kTakeWords] = {e.seq, e.d.site, e.d.iteration, e.d.microbatch, e.d.attempt,
-                                        e.d.phase, e.d.invocation, e.d.nbytes, crc[i]};
-      words.insert(words.end(), row, row + kTakeWords);
-    }
+    for (size_t i = 0; i < rows; ++i) append_take_row(got[i], crc[i], words);
     std::string head = sealed_head("DMIRECS2", rows, payload, words.data(), words.size() * sizeof(uint64_t));
     crcs.push_back(block_crc(head.data()));
     static const char zeros[8] = {0};

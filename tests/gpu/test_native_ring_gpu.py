@@ -342,3 +342,26 @@ def test_drain_throughput():
     _save("native_drain_throughput", data)
     assert got[0] == n and tr.stats.dropped == 0
     tr.close()
+
+
+def test_the_cuda_build_reads_every_code_as_the_host_build_does():
+    """Both builds refuse an unknown on_full, take exactly one firing's context words, and export
+    the same constants (checked against abi.py at load)."""
+    from megatron.core.dmi.transport import abi
+    from megatron.core.dmi.transport.base import TransportInputError
+
+    mod = jit.load_cuda()
+    assert {name: getattr(mod, name) for name in abi.EXPECTED} == {
+        name: getattr(jit.load_host(), name) for name in abi.EXPECTED
+    }
+    with pytest.raises(TransportInputError, match="on_full code 7"):
+        mod.CudaRing(torch.cuda.current_device(), 1 << 12, 64, 1 << 12, 7, 1.0)
+    ring = mod.CudaRing(torch.cuda.current_device(), 1 << 12, 64, 1 << 12, abi.ON_FULL["drop"], 1.0)
+    stream = torch.cuda.current_stream().cuda_stream
+    try:
+        with pytest.raises(TransportInputError, match=f"{abi.FIRING_WORDS} context words"):
+            ring.publish(0, 0, 0, 1, stream, [1, 2, 3])
+        with pytest.raises(TransportInputError, match="publish_group"):
+            ring.publish_group([0, 0], [0, 0], [0, 0], 1, [0] * abi.FIRING_WORDS, stream)
+    finally:
+        ring.close()

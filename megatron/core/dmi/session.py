@@ -208,11 +208,15 @@ class DMISession:
         )
 
     # -- the step context -------------------------------------------------------------------
-    def before_forward(self, chunk: torch.nn.Module, iteration: int, phase: str | None = None) -> None:
+    def before_forward(
+        self, chunk: torch.nn.Module, iteration: int, phase: str | None = None, capture: bool = True
+    ) -> None:
         """Call before every forward of a model chunk. ``iteration`` is 1-based; ``phase`` defaults
         to ``train`` or ``valid`` from the chunk's training flag. The microbatch index is the count
         of this chunk's forwards within the step (every Megatron schedule runs one chunk's
-        microbatches in order); a new (phase, iteration) starts a new step."""
+        microbatches in order); a new (phase, iteration) starts a new step. ``capture=False`` on the
+        call that starts a step leaves that step uncaptured whatever the config says (the per-step
+        switch of benchmarks/step_time_paired.py, which alternates DMI on and off)."""
         if self._done:
             return
         inner = _unwrap(chunk)
@@ -223,6 +227,9 @@ class DMISession:
             self._step = step
             self._microbatch.clear()
             self.capture.begin_step(*step)
+            if not capture:
+                self.capture.step.active = False
+                self.capture.idle = not self.capture.graphs
             self._write_new_drops()
             if self._device_context:
                 self.transport.set_gate_word(GATE_ORIGINAL if self.capture.step.active else 0)

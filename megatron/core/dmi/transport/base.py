@@ -35,6 +35,20 @@ class RingTooSmallError(DMIError, ValueError):
     """A single record can never fit in the ring."""
 
 
+class TransportInputError(DMIError, ValueError):
+    """A tensor, key or argument a transport cannot take (wrong device, dtype, shape, phase, size)."""
+
+
+class TransportStateError(DMIError, RuntimeError):
+    """A transport call made in a state that forbids it (closed, spooling, inside graph capture)."""
+
+
+class NativeRingError(DMIError, RuntimeError):
+    """A native ring operation failed (a CUDA call, a closed ring, a spool write): raised by the
+    C++ builds for their ``std::runtime_error``; their ``std::invalid_argument`` is a
+    ``TransportInputError``."""
+
+
 @dataclass
 class TransportStats:
     """A transport's counters: records and bytes published, dropped, rejected, drained; time blocked."""

@@ -24,11 +24,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.transport import abi
+
+if TYPE_CHECKING:
+    from megatron.core.dmi.transport.native_api import CudaModule, HostModule
 
 HOST_SOURCES = ("host_ring.cpp",)
 CUDA_SOURCES = ("cuda_ring.cu", "router_select.cu", "cuda_ring_bind.cpp")
@@ -207,7 +211,7 @@ def _load(kind: str, verbose: bool = False, import_module: bool = True):
                     with_cuda=(kind == "cuda"),
                     **opts,
                 )
-        except Exception as ex:  # compiler errors, missing toolkit, ...
+        except (RuntimeError, OSError, ImportError) as ex:  # compiler errors, missing toolkit, a bad library
             raise NativeBuildError(f"building the DMI {kind} ring failed: {ex}") from ex
     seconds = time.perf_counter() - t0
     _timings[kind] = {"name": name, "seconds": seconds, "cached": cached, "build_dir": str(build_dir)}
@@ -256,12 +260,12 @@ def _build_only(ce, name, sources, opts, build_dir: Path, verbose: bool) -> None
         raise NativeBuildError(f"build finished but {_lib_path(build_dir, name)} is missing")
 
 
-def load_host(verbose: bool = False):
+def load_host(verbose: bool = False) -> HostModule:
     """The host (CPU) build, compiled on first use and cached."""
     return _load("host", verbose)
 
 
-def load_cuda(verbose: bool = False):
+def load_cuda(verbose: bool = False) -> CudaModule:
     """The CUDA build, compiled on first use and cached."""
     return _load("cuda", verbose)
 
@@ -292,10 +296,7 @@ def build_report() -> dict:
     report: dict = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "python": sys.version.split()[0]}
     cxx = _find_cxx()
     report["cxx"] = cxx
-    try:
-        report["ninja"] = ce.is_ninja_available()
-    except Exception:  # pragma: no cover
-        report["ninja"] = shutil.which("ninja") is not None
+    report["ninja"] = ce.is_ninja_available()  # asks `ninja --version`, False on any failure
     cuda_home = find_cuda_home()
     report["cuda_home"] = cuda_home
     report["nvcc"] = str(Path(cuda_home) / "bin" / "nvcc") if cuda_home else None

@@ -26,6 +26,7 @@ Importing this module needs torch, numpy and pyarrow only (not megatron-core).
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -33,11 +34,19 @@ import pyarrow as pa
 import torch
 
 from megatron.core.dmi.key import PHASES, Firing, RecordKey
-from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, Record, descriptor_table, dtype_name
+from megatron.core.dmi.records import Record, descriptor_table, dtype_name
 from megatron.core.dmi.transport import jit
-from megatron.core.dmi.transport.abi import FIRING_WORDS, MAX_GROUP, SLOT_ALIGN
-from megatron.core.dmi.transport.base import OnFull, Transport, TransportStats, capturing_graph
+from megatron.core.dmi.transport.abi import ACCEPTED, FIRING_WORDS, MAX_GROUP, SLOT_ALIGN, TAKE_COLUMNS, on_full_code
+from megatron.core.dmi.transport.base import (
+    OnFull,
+    Transport,
+    TransportInputError,
+    TransportStateError,
+    TransportStats,
+    capturing_graph,
+)
 from megatron.core.dmi.transport.blobs import BlobPool
+from megatron.core.dmi.transport.native_api import CudaRing, HostRing
 
 # A batch filling less than this share of its pooled buffer is copied out, so a trickle of small
 # batches never pins many large buffers while they wait in the sink.
@@ -47,18 +56,20 @@ _MIN_FILL = 0.25
 def _phase_code(phase: str | int) -> int:
     if isinstance(phase, int):
         if not 0 <= phase < len(PHASES):
-            raise ValueError(f"phase code {phase} out of range for {PHASES}")
+            raise TransportInputError(f"phase code {phase} out of range for {PHASES}")
         return phase
     try:
         return PHASES.index(phase)
     except ValueError:
-        raise ValueError(f"unknown phase {phase!r} (expected one of {PHASES})") from None
+        raise TransportInputError(f"unknown phase {phase!r} (expected one of {PHASES})") from None
 
 
-def _context_words(firing: Firing) -> list[int]:
-    """A firing as the ``FIRING_WORDS`` context words a producer writes into its descriptor."""
+@functools.lru_cache(maxsize=1024)
+def _context_words(firing: Firing) -> tuple[int, ...]:
+    """A firing as the ``FIRING_WORDS`` context words a producer writes into its descriptor; cached,
+    since every output of a step's firings shares a handful of firings."""
     iteration, microbatch, attempt, phase, invocation = firing
-    return [iteration, microbatch, attempt, _phase_code(phase), invocation]
+    return (iteration, microbatch, attempt, _phase_code(phase), invocation)
 
 
 def site_json(key: RecordKey) -> str:
@@ -97,20 +108,22 @@ class NativeRingTransport(Transport):
             staging_bytes = cap
         staging_bytes = -(-staging_bytes // SLOT_ALIGN) * SLOT_ALIGN
         if staging_bytes < cap:
-            raise ValueError(f"staging_bytes ({staging_bytes}) must be >= the ring ({cap} bytes)")
+            raise TransportInputError(f"staging_bytes ({staging_bytes}) must be >= the ring ({cap} bytes)")
         self.desc_capacity = int(desc_capacity)
         self.staging_bytes = int(staging_bytes)
-        block = 1 if on_full == "block" else 0
+        on_full_native = on_full_code(on_full)
+        self._ring: HostRing | CudaRing
         if device.type == "cuda":
             self._mod = jit.load_cuda()
             self._ring = self._mod.CudaRing(
-                device.index, cap, self.desc_capacity, self.staging_bytes, block, block_timeout
+                device.index, cap, self.desc_capacity, self.staging_bytes, on_full_native, block_timeout
             )
         elif device.type == "cpu":
             self._mod = jit.load_host()
-            self._ring = self._mod.HostRing(cap, self.desc_capacity, self.staging_bytes, block, block_timeout)
+            self._ring = self._mod.HostRing(cap, self.desc_capacity, self.staging_bytes, on_full_native, block_timeout)
         else:
-            raise ValueError(f"the native ring supports cpu and cuda tensors, not {device}")
+            raise TransportInputError(f"the native ring supports cpu and cuda tensors, not {device}")
+        self._on_cuda = device.type == "cuda"
         # The payload ring as a uint8 tensor (DLPack view of the ring's own memory): the mutated
         # argument of the dmi::ring_capture custom op.
         self.ring_tensor = torch.utils.dlpack.from_dlpack(self._ring.payload_dlpack())
@@ -163,7 +176,7 @@ class NativeRingTransport(Transport):
         if site is None:
             site = len(self._sites)
             if site >= 1 << 32:
-                raise OverflowError("too many DMI sites")
+                raise TransportStateError("too many DMI sites (2**32)")
             self._sites.append(static)
             self._site_ids[static] = site
             if self._spool is not None:
@@ -179,7 +192,7 @@ class NativeRingTransport(Transport):
         """Raw gate word: a producer launched with ``mask`` accepts when ``value & mask`` != 0."""
         if self.device.type == "cuda":
             self._check_not_capturing("set_gate")
-            self._ring.set_gate(int(value), torch.cuda.current_stream(self.device).cuda_stream)
+            self._ring.set_gate(int(value), self._stream())
         else:
             self._ring.set_gate(int(value))
 
@@ -208,7 +221,7 @@ class NativeRingTransport(Transport):
         )
         if self.device.type == "cuda":
             self._check_not_capturing("set_context")
-            self._ring.set_context(list(ctx), torch.cuda.current_stream(self.device).cuda_stream)
+            self._ring.set_context(list(ctx), self._stream())
         else:
             self._ring.set_context(list(ctx))
         self._ctx = ctx
@@ -220,24 +233,29 @@ class NativeRingTransport(Transport):
 
     def _check_not_capturing(self, what: str) -> None:
         if capturing_graph():
-            raise RuntimeError(
+            raise TransportStateError(
                 f"NativeRingTransport.{what} cannot run inside CUDA graph capture: set the gate and "
                 "context before each replay, outside the captured region"
             )
 
     # ------------------------------------------------------------------ publish
+    def _stream(self) -> int:
+        """The current CUDA stream's handle, read without building a ``torch.cuda.Stream`` (which
+        costs microseconds per call on a path that runs for every firing)."""
+        return torch._C._cuda_getCurrentRawStream(self.device.index)
+
     def _check_tensor(self, tensor: torch.Tensor) -> None:
         if tensor.device.type != self.device.type or (
             self.device.type == "cuda" and tensor.device.index != self.device.index
         ):
-            raise ValueError(f"tensor on {tensor.device} published to a native ring on {self.device}")
+            raise TransportInputError(f"tensor on {tensor.device} published to a native ring on {self.device}")
 
     def publish(self, key: RecordKey, tensor: torch.Tensor) -> bool:
         """Publish ``tensor`` under ``key``, registering its site first; the key's dtype and shape must be the
         tensor's."""
         self._check_tensor(tensor)
         if dtype_name(tensor.dtype) != key.dtype or tuple(tensor.shape) != tuple(key.shape):
-            raise ValueError(
+            raise TransportInputError(
                 f"tensor {tuple(tensor.shape)} {tensor.dtype} does not match key {key.shape} {key.dtype} ({key.output})"
             )
         self.check_fits(tensor.numel() * tensor.element_size())
@@ -253,54 +271,61 @@ class NativeRingTransport(Transport):
         return self.publish_site(handle, tensor, ctx=_context_words(firing))
 
     def publish_firings(self, handles: list[int], tensors: list[torch.Tensor], firings: list[Firing]) -> list[bool]:
-        """On a GPU, publish the records in groups of up to ``MAX_GROUP``, one ``publish_group`` call each, and
-        return True for every record; elsewhere, or for one record, one at a time."""
-        if self.device.type != "cuda" or len(tensors) < 2:
-            return super().publish_firings(handles, tensors, firings)
+        """The outputs of one hook firing in one native call per ``MAX_GROUP`` records, which reserves
+        and copies them all (on a GPU: one pair of launches). On a GPU every record reads True (the
+        device decides; see ``stats``); on the host, whether it was accepted."""
         if self._closed:
-            raise RuntimeError("transport is closed")
-        for start in range(0, len(tensors), self.MAX_GROUP):
-            group = slice(start, start + self.MAX_GROUP)
-            for tensor in tensors[group]:
-                self._check_tensor(tensor)
-            # every source stays referenced until the launches are enqueued: a freed contiguous copy
-            # could be reused, and overwritten, by the next one before the copy kernel reads it
-            sources = [self._source(t) for t in tensors[group]]
-            self._ring.publish_group(
-                [t.data_ptr() if n else 0 for t, n in sources],
-                [n for _, n in sources],
-                handles[group],
-                1,
-                torch.cuda.current_stream(self.device).cuda_stream,
-                [_context_words(f) for f in firings[group]],
-            )
-        return [True] * len(tensors)
+            raise TransportStateError("transport is closed")
+        if len(tensors) > self.MAX_GROUP:
+            return [
+                ok
+                for start in range(0, len(tensors), self.MAX_GROUP)
+                for ok in self.publish_firings(
+                    handles[start : start + self.MAX_GROUP],
+                    tensors[start : start + self.MAX_GROUP],
+                    firings[start : start + self.MAX_GROUP],
+                )
+            ]
+        # every source stays referenced until the call returns: a freed contiguous copy could be
+        # reused, and overwritten, by the next one before the producer reads it
+        sources = [self._source(t) for t in tensors]
+        ptrs = [t.data_ptr() for t in sources]
+        sizes = [t.nbytes for t in sources]
+        words = [w for f in firings for w in _context_words(f)]
+        if self._on_cuda:
+            self._ring.publish_group(ptrs, sizes, handles, 1, words, self._stream())
+            return [True] * len(tensors)
+        return [code == ACCEPTED for code in self._ring.publish_group(ptrs, sizes, handles, 1, words)]
 
-    def _source(self, tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """The contiguous tensor whose bytes a producer copies, and their size (checked against the ring)."""
-        t = tensor.detach()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
-        if nbytes > self.ring_bytes:
-            self.check_fits(nbytes)
-        return t, nbytes
+    def _source(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The contiguous tensor on this ring's device whose bytes a producer copies (checked against the ring)."""
+        if tensor.device != self.device:
+            self._check_tensor(tensor)
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        if tensor.nbytes > self.ring_bytes:
+            self.check_fits(tensor.nbytes)
+        return tensor
 
-    def publish_site(self, site_id: int, tensor: torch.Tensor, mask: int = 1, ctx: list[int] | None = None) -> bool:
+    def publish_site(
+        self, site_id: int, tensor: torch.Tensor, mask: int = 1, ctx: tuple[int, ...] | None = None
+    ) -> bool:
         """Publish ``tensor`` under a registered site. The descriptor's context words come from the
-        context block (``set_context``), or from ``ctx`` (5 words: iteration, microbatch, attempt,
-        phase code, invocation) given with the call, which the producer writes into the descriptor
-        atomically with the reservation (used by ``publish(key, tensor)``). Graph-capturable on
-        CUDA (with ``ctx`` the words are baked into the graph). Returns False when the host build
-        rejected (gate) or dropped it; CUDA always returns True (the device decides; see stats)."""
+        context block (``set_context``), or from ``ctx`` (``FIRING_WORDS`` words: iteration,
+        microbatch, attempt, phase code, invocation) given with the call, which the producer writes
+        into the descriptor atomically with the reservation (used by ``publish(key, tensor)``).
+        Graph-capturable on CUDA (with ``ctx`` the words are baked into the graph). Returns False
+        when the host build rejected (gate) or dropped it; CUDA always returns True (the device
+        decides; see stats)."""
         if self._closed:
-            raise RuntimeError("transport is closed")
-        t, nbytes = self._source(tensor)
+            raise TransportStateError("transport is closed")
+        t = self._source(tensor)
+        nbytes = t.nbytes
         ptr = t.data_ptr() if nbytes else 0
-        if self.device.type == "cuda":
-            self._ring.publish(ptr, nbytes, site_id, mask, torch.cuda.current_stream(self.device).cuda_stream, ctx)
+        if self._on_cuda:
+            self._ring.publish(ptr, nbytes, site_id, mask, self._stream(), ctx)
             return True
-        return self._ring.publish(ptr, nbytes, site_id, mask, ctx) == 1
+        return self._ring.publish(ptr, nbytes, site_id, mask, ctx) == ACCEPTED
 
     # ------------------------------------------------------------------ native spool
     def start_spool(
@@ -319,7 +344,7 @@ class NativeRingTransport(Transport):
         at ``segment_bytes``, ``segment_seconds`` after its first record, or a flush. ``take*`` must
         not be used while it runs."""
         if self._spool is not None:
-            raise RuntimeError("the native spool writer is already running")
+            raise TransportStateError("the native spool writer is already running")
         self._spool = self._mod.SpoolThread(
             self._ring,
             directory,
@@ -391,10 +416,10 @@ class NativeRingTransport(Transport):
         if too_big:  # the next record alone is larger than a pooled buffer
             lease = self.blobs.lease(too_big)
             raw, too_big = self._ring.take_into(1, 0.0, lease.address, lease.nbytes)
-        rows = np.frombuffer(raw, dtype=np.uint64).reshape(-1, len(DESCRIPTOR_COLUMNS))
+        rows = np.frombuffer(raw, dtype=np.uint64).reshape(-1, len(TAKE_COLUMNS))
         if not len(rows):
             return None
-        total = int(rows[:, DESCRIPTOR_COLUMNS.index("nbytes")].sum())
+        total = int(rows[:, TAKE_COLUMNS.index("nbytes")].sum())
         data = lease.buffer(total)
         if total < _MIN_FILL * lease.nbytes:
             data = pa.py_buffer(bytes(data))  # small: copy out and give the buffer back now
@@ -404,7 +429,7 @@ class NativeRingTransport(Transport):
 
     def _check_no_spool(self) -> None:
         if self._spool is not None:
-            raise RuntimeError("the native spool writer is the consumer of this ring: take() is not available")
+            raise TransportStateError("the native spool writer is the consumer of this ring: take() is not available")
 
     def pending(self) -> int:
         """Records published but not yet taken, from the ring's counters."""
@@ -437,9 +462,7 @@ class NativeRingTransport(Transport):
             self.stop_spool()
         self._ring.close()  # memory is freed once the ring tensor is gone too
 
-    def __del__(self):  # pragma: no cover - best effort
-        """Close the ring, ignoring any error (best effort at garbage collection)."""
-        try:
+    def __del__(self):  # pragma: no cover - garbage collection
+        """Close the ring if it was built (an error here is reported by Python, not hidden)."""
+        if getattr(self, "_ring", None) is not None:
             self.close()
-        except Exception:
-            pass

@@ -15,6 +15,8 @@ import weakref
 
 import torch
 
+from megatron.core.dmi.transport.base import TransportStateError
+
 _lock = threading.Lock()
 _handles = itertools.count(1)
 _transports: dict[int, weakref.ref] = {}
@@ -38,7 +40,7 @@ def _lookup(handle: int):
     ref = _transports.get(handle)
     t = ref() if ref is not None else None
     if t is None:
-        raise RuntimeError(f"dmi::ring_capture: no open transport with handle {handle}")
+        raise TransportStateError(f"dmi::ring_capture: no open transport with handle {handle}")
     return t
 
 

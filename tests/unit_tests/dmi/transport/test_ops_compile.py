@@ -81,3 +81,16 @@ def test_eager_op_call_publishes_under_the_gate():
     (rec,) = drain_all(tr)
     assert torch.equal(rec.tensor(), t + 1) and tr.stats.rejected == 1
     tr.close()
+
+
+def test_the_custom_op_passes_torch_library_opcheck():
+    """Schema, fake (meta) implementation, autograd registration and the declared mutation of
+    ``ring`` agree with what the op does (torch.library.opcheck's standard checks)."""
+    tr = NativeRingTransport(1 << 16, "drop", torch.device("cpu"), block_timeout=DMIConfig.block_timeout)
+    x = torch.randn(8, 4)
+    site = tr.register_site(_key(x, "resid"))
+    try:
+        torch.library.opcheck(ops.ring_capture, (tr.ring_tensor, x, tr.handle, site, 1))
+        assert drain_all(tr)  # opcheck ran the op for real: its records reached the ring
+    finally:
+        tr.close()
