@@ -17,21 +17,19 @@ from collections import defaultdict
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from megatron.core.dmi.hooks import install
-
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
-# site function name -> its group, from the tables that install them
-_GROUP_OF_SITE = {
-    fn.__name__: group
-    for table in (install._LAYER_SITES, install._BLOCK_SITES, install._MODEL_SITES)
-    for group, fn in table.items()
-} | {"_watch_experts": "mlp.experts", "_watch_gradient": "grad"}  # helpers the mlp and grad sites call
+_GROUPS_PACKAGE = "megatron.core.dmi.hooks.groups."
 
 
 def _group(fn) -> str:
-    """The group of a DMI hook, from its qualified name (``_attention_site.<locals>.hook``)."""
+    """The group of a DMI hook: the group module that defines it (``hooks/groups/<group>.py``);
+    the expert-row hooks of the mlp module are ``mlp.experts``."""
+    module = getattr(fn, "__module__", "") or ""
+    if not module.startswith(_GROUPS_PACKAGE):
+        return "other"
+    group = module[len(_GROUPS_PACKAGE) :]
     outer = getattr(fn, "__qualname__", "").split(".<locals>", 1)[0]
-    return _GROUP_OF_SITE.get(outer, outer or "other")
+    return "mlp.experts" if outer == "_watch_experts" else group
 
 
 class HookClock:
