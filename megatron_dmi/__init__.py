@@ -6,7 +6,7 @@ Python runs a package's ``__init__`` before it imports any module inside it, and
 about 6 s and a page of CUDA/absl/Transformer Engine/apex warnings before
 ``python -m megatron.core.dmi`` reaches its first line. The reading commands need none of it, so
 this entry point registers ``megatron.core`` as a bare package (its search path, not its code)
-before importing the CLI. That ``__init__`` only re-exports names (``Timers``, ``parallel_state``
+before importing the CLI (``open_store`` does the same for Python readers). That ``__init__`` only re-exports names (``Timers``, ``parallel_state``
 ...): the first time anything asks the bare package for a name it lacks, it runs the real
 ``__init__`` then, so a command that needs megatron-core (``doctor``) still gets all of it.
 """
@@ -35,6 +35,15 @@ def _register_bare_core() -> None:
     bare.__getattr__ = complete
     sys.modules[CORE] = bare
     sys.modules["megatron"].core = bare
+
+
+def open_store(path_or_url: str, **kwargs):
+    """``megatron.core.dmi.reader.open_store`` for scripts and notebooks, without megatron-core's import (its
+    seconds and its Transformer Engine/Apex/CUDA notices): ``with megatron_dmi.open_store("dmi_store/x") as s:``."""
+    _register_bare_core()
+    from megatron.core.dmi.reader import open_store as open_
+
+    return open_(path_or_url, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:

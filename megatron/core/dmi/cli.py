@@ -330,7 +330,28 @@ def cmd_load(args) -> int:
     )
     for e in r.errors:
         print(f"  ! {e}")
+    _report_unfinished(src, args.delete)
     return 1 if r.errors else 0
+
+
+def _report_unfinished(spool_root: str, delete: bool) -> None:
+    """Name the unfinished segment files ``load`` skipped: a killed writer's (deleted with ``--delete``) or a live
+    one's."""
+    import os
+
+    from megatron.core.dmi.sinks.spool import unfinished_segments
+
+    for path, alive in unfinished_segments(spool_root):
+        if alive:
+            print(f"  skipped {path}: a segment its process (still running) is writing")
+        elif delete:
+            os.unlink(path)
+            print(f"  deleted {path}: a segment its process was killed while writing (nothing in it was complete)")
+        else:
+            print(
+                f"  skipped {path}: a segment its process was killed while writing (nothing in it was complete; "
+                "--delete removes it)"
+            )
 
 
 def cmd_export(args) -> int:

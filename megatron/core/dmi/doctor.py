@@ -238,8 +238,8 @@ def check_build_tools(require_cuda: bool) -> list[Check]:
         return out
     for kind in ("host", "cuda"):
         e = r[kind]
-        if kind == "cuda" and not (gpu or r["nvcc"]):
-            continue
+        if kind == "cuda" and not gpu:
+            continue  # without a GPU the host ring runs: a CUDA build is of no use here
         where = os.path.join(r["extensions_dir"], e["name"])
         if e["cached"]:
             out.append(Check(f"jit cache ({kind})", "ok", f"current build cached at {where}"))
@@ -250,7 +250,7 @@ def check_build_tools(require_cuda: bool) -> list[Check]:
                     "warn",
                     f"no build for the current sources/torch in {r['extensions_dir']}: the first run builds it "
                     f"({'seconds' if kind == 'host' else 'about a minute'})",
-                    "python -m megatron.core.dmi doctor --build" + (" cuda" if kind == "cuda" and not gpu else ""),
+                    "megatron-dmi doctor --build",
                 )
             )
         else:

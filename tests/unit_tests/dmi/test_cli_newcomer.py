@@ -168,3 +168,65 @@ def test_watch_waits_for_a_store_the_run_has_not_created_yet(tmp_path):
     assert p.returncode == 0 and "waiting for the run to create it" in p.stdout, p.stdout + p.stderr
     p = megatron_dmi("watch", str(tmp_path / "not_yet"), "--once", "--json")
     assert p.returncode == 0 and '"store_missing": true' in p.stdout
+
+
+def test_a_misspelled_hook_gets_the_nearest_name():
+    from megatron.core.dmi.catalog import HookSelectionError, parse_hooks
+
+    with pytest.raises(HookSelectionError, match=r"unknown hook 'routr': did you mean 'router'\? \(known: all, none"):
+        parse_hooks("routr,attn")
+    with pytest.raises(HookSelectionError, match=r"unknown hook 'bogus' \(known: "):
+        parse_hooks("bogus")
+
+
+def test_doctor_suggests_no_cuda_build_without_a_gpu():
+    import torch
+
+    from megatron.core.dmi import doctor
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here")
+    checks = doctor.check_build_tools(require_cuda=False)
+    assert not [c for c in checks if c.name == "jit cache (cuda)" or "--build cuda" in (c.fix or "")], checks
+
+
+def _kill_attempt_one(store_dir: str) -> None:
+    """Attempt 1 killed: its records and run row are in, its ranks' end-of-run reports never came."""
+    from megatron.core.dmi.sinks import ChdbBackend
+
+    W.write_embedded(store_dir, W.moe_records(iterations=range(1, 4), attempt=1), [W.run_info(attempt=1)])
+    b = ChdbBackend(os.path.join(store_dir, "chdb"))
+    try:
+        b.command("TRUNCATE TABLE dmi.reports")
+    finally:
+        b.close()
+    W.write_embedded(
+        store_dir, W.moe_records(iterations=range(3, 5), attempt=2), [W.run_info(attempt=2, resumed_from=2)]
+    )
+
+
+def test_show_says_which_attempt_died(tmp_path):
+    d = str(tmp_path / "s")
+    run_isolated(_kill_attempt_one, d)
+    for command in ("show", "describe"):
+        p = megatron_dmi(command, d)
+        assert p.returncode == 0, p.stderr
+        lines = [line for line in p.stdout.splitlines() if line.strip().startswith("attempt ")]
+        assert "died before it ended (no end-of-run report)" in lines[0], p.stdout
+        assert "died" not in lines[1] and "report" not in lines[1], p.stdout
+
+
+def test_load_names_a_killed_writers_unfinished_segment(tmp_path):
+    spool = tmp_path / "spool" / "rank-00000"
+    spool.mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    leftover = spool / f".00000003.dmiraw.{dead.pid}.tmp"
+    leftover.write_bytes(b"DMIRAW half a segment")
+    p = megatron_dmi("load", str(tmp_path / "spool"), "--store", str(tmp_path / "store"))
+    assert p.returncode == 0, p.stderr
+    assert f"skipped {leftover}: a segment its process was killed while writing" in p.stdout, p.stdout
+    assert leftover.exists()
+    p = megatron_dmi("load", str(tmp_path / "spool"), "--store", str(tmp_path / "store"), "--delete")
+    assert p.returncode == 0 and f"deleted {leftover}" in p.stdout, p.stdout
+    assert not leftover.exists()

@@ -57,7 +57,7 @@ class RunDescription:
     """What a store holds of one run: its attempts, outputs, layers and visible iterations."""
 
     run_id: str
-    attempts: pd.DataFrame  # attempt, resumed_from_iteration, started_at, world_size, versions_json
+    attempts: pd.DataFrame  # attempt, resumed_from_iteration, started_at, world_size, versions_json, ended
     outputs: pd.DataFrame  # phase, output, records, bytes, layers, n_iterations, first/last iteration, ranks
     layers: list[int]
     iterations: dict[str, list[int]]  # phase -> visible iterations
@@ -77,12 +77,22 @@ class RunDescription:
             f"run {self.run_id}: {self.records} records, {self.bytes / 2**20:.2f} MiB"
             + (f" ({self.superseded_records} superseded by later attempts)" if self.superseded_records else "")
         ]
+        latest = self.attempts["attempt"].max() if not self.attempts.empty else None
         for _, a in self.attempts.iterrows():
             rf = a["resumed_from_iteration"]
+            ended = (
+                ""
+                if a.get("ended", True)
+                else (
+                    ", died before it ended (no end-of-run report)"
+                    if a["attempt"] != latest
+                    else ", no end-of-run report yet (still running, or killed)"
+                )
+            )
             lines.append(
                 f"  attempt {a['attempt']}: "
                 + ("fresh start" if rf < 0 else f"resumed from iteration {rf}")
-                + f", {a['world_size']} rank(s), started {a['started_at']}"
+                + f", {a['world_size']} rank(s), started {a['started_at']}{ended}"
             )
         for phase, its in self.iterations.items():
             if its:
@@ -406,6 +416,10 @@ class Store:
             .as_py()
         )
         attempts = self.attempts(run_id)
+        reported = self.df(
+            f"SELECT DISTINCT attempt FROM {self.t('reports')} FINAL WHERE run_id = {{run:String}}", {"run": run_id}
+        )
+        attempts["ended"] = attempts["attempt"].isin(reported["attempt"])  # a rank wrote its end-of-run report
         latest = attempts.iloc[-1] if not attempts.empty else None
         meta = {
             name: _json_or_empty(None if latest is None else latest[f"{name}_json"])
