@@ -362,7 +362,7 @@ def cmd_export(args) -> int:
         n = export_spool(store, args.to, args.run_id, progress=sys.stderr.isatty())
     print(
         f"exported {n} record(s) as spool segments under {args.to}; load them with "
-        f"`python -m megatron.core.dmi load {args.to} --store <dir-or-url>`"
+        f"`megatron-dmi load {args.to} --store <dir-or-url>`"
     )
     return 0
 
