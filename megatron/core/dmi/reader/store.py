@@ -1,7 +1,8 @@
 """The reader: open a DMI store (embedded chDB directory or ClickHouse URL) and answer questions.
 
 An embedded store is read through a private snapshot (reader/snapshot.py): readers never hold the
-store itself, so they run beside a training run's ingester and never change what is on disk.
+store itself, so they run beside a training run's ingester and never change the store (the snapshot is a
+folder of hard links under ``<store>/.readers/``, removed when the reader closes).
 torch is imported only by the methods that return tensors.
 
 Every query sees each (phase, iteration) exactly once, from its latest attempt: attempt ``a``'s
@@ -198,7 +199,7 @@ def open_store(
     ``path_or_url``: a store directory (``--dmi-store-dir``: holds ``chdb/`` and ``spool/``) or a
     ClickHouse server URL. A directory is read through a snapshot taken now (see
     reader/snapshot.py), so this works while a training run writes the store and changes nothing
-    on disk; with ``ingest`` the snapshot also loads the spool's segments that the store does not
+    in it (the snapshot folder under ``.readers/`` is removed at ``close``); with ``ingest`` the snapshot also loads the spool's segments that the store does not
     hold yet (a live run's latest, a crash's leftovers, ``--dmi-persist spool``): the view shows
     every closed segment. ``writable=True`` opens the store itself instead (to ``load`` into it;
     chDB lets one process do that: StoreBusyError while a training run's ingester holds it).
