@@ -583,8 +583,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m megatron.core.dmi
     # Upstream libraries' import-time notices (no CUDA, no Transformer Engine/apex, absl) are not
     # the user's business here; DMI's own warnings (e.g. a corrupt segment) still show.
     warnings.filterwarnings("ignore", module=r"(torch|transformer_engine|apex|megatron\.core(?!\.dmi))(\.|$)")
-    # The ClickHouse driver logs each failed request before raising it; the error printed below says it once.
+    # The ClickHouse driver logs each failed request before raising it (the error printed below says it once);
+    # torch's extension builder logs "No CUDA runtime is found" on a CPU (``doctor`` reports the GPU itself).
     logging.getLogger("clickhouse_connect").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     args = build_parser(prog).parse_args(argv)
     from megatron.core.dmi.reader import ReconstructionError, SchemaVersionError, StoreBusyError, StoreError
     from megatron.core.dmi.sinks import BackendError, IdentifierError, ServerURLError

@@ -230,3 +230,27 @@ def test_load_names_a_killed_writers_unfinished_segment(tmp_path):
     p = megatron_dmi("load", str(tmp_path / "spool"), "--store", str(tmp_path / "store"), "--delete")
     assert p.returncode == 0 and f"deleted {leftover}" in p.stdout, p.stdout
     assert not leftover.exists()
+
+
+# -- 7. only what matters on stderr -----------------------------------------------------------------------------
+
+
+def test_python_readers_through_megatron_dmi_print_no_upstream_notices(parent):
+    code = (
+        "import sys, megatron_dmi\n"
+        "with megatron_dmi.open_store(sys.argv[1]) as s:\n"
+        "    run = s.resolve_run(None)\n"
+        "    t = s.tensor(run, 'router.logits', iteration=2, layer=1)\n"
+        "    print(len(s.df('SELECT * FROM dmi.tensors_latest')), list(t.shape))\n"
+        "print('megatron.core.parallel_state' in sys.modules)\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code, str(parent / "quickstart")], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert p.stdout.split() == ["24", "[8,", "4]", "False"], p.stdout
+
+
+def test_doctor_prints_no_torch_cuda_notice():
+    p = megatron_dmi("doctor")
+    assert "No CUDA runtime is found" not in p.stderr and "UserWarning" not in p.stderr, p.stderr
