@@ -175,9 +175,8 @@ def check_store_dir(given: str, store_dir: str) -> None:
         return
     found = find_stores(store_dir)
     if found:
-        names = ", ".join(os.path.relpath(f) for f in found[:10]) + (
-            f" (and {len(found) - 10} more)" if found[10:] else ""
-        )
+        names = ", ".join(os.path.join(given, os.path.relpath(f, store_dir)) for f in found[:10])
+        names += f" (and {len(found) - 10} more)" if found[10:] else ""
         raise NotAStoreError(f"{given} is not a DMI store (no chdb/ or spool/ in it); stores under it: {names}", found)
     raise NotAStoreError(
         f"{given} is not a DMI store (no chdb/ or spool/ in it, nor in its sub-folders): pass the folder given as "
