@@ -96,7 +96,7 @@ def timed(cmd: list[str], repeats: int) -> dict:
 def snapshot_cost(store: str) -> dict:
     """What one snapshot links, from the reader itself (in this process: no chDB open elsewhere)."""
     code = (
-        "import json, sys, dataclasses; import megatron_dmi; megatron_dmi._register_bare_core();"
+        "import json, sys, dataclasses; import megatron_dmi; megatron_dmi.register_bare_core();"
         "from megatron.core.dmi.reader import open_store;"
         "s = open_store(sys.argv[1]); print(json.dumps(dataclasses.asdict(s.snapshot_stats))); s.close()"
     )

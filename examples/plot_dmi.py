@@ -32,7 +32,10 @@ import sys
 
 import matplotlib
 
+import megatron_dmi
+
 matplotlib.use("Agg")
+megatron_dmi.register_bare_core()  # reading needs none of megatron-core's package import (seconds, notices)
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 

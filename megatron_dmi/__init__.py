@@ -19,7 +19,9 @@ import sys
 CORE = "megatron.core"
 
 
-def _register_bare_core() -> None:
+def register_bare_core() -> None:
+    """Make ``import megatron.core.dmi...`` skip megatron-core's package ``__init__`` until a name of it is used
+    (scripts that read stores call this before their DMI imports; a no-op once megatron.core is imported)."""
     if CORE in sys.modules:
         return
     spec = importlib.util.find_spec(CORE)  # imports `megatron`, a namespace package (no code)
@@ -40,7 +42,7 @@ def _register_bare_core() -> None:
 def open_store(path_or_url: str, **kwargs):
     """``megatron.core.dmi.reader.open_store`` for scripts and notebooks, without megatron-core's import (its
     seconds and its Transformer Engine/Apex/CUDA notices): ``with megatron_dmi.open_store("dmi_store/x") as s:``."""
-    _register_bare_core()
+    register_bare_core()
     from megatron.core.dmi.reader import open_store as open_
 
     return open_(path_or_url, **kwargs)
@@ -48,7 +50,7 @@ def open_store(path_or_url: str, **kwargs):
 
 def main(argv: list[str] | None = None) -> int:
     """The ``megatron-dmi`` command line, without paying megatron.core's import."""
-    _register_bare_core()
+    register_bare_core()
     from megatron.core.dmi.cli import main as cli_main
 
     return cli_main(argv, prog="megatron-dmi")
