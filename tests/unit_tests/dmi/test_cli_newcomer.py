@@ -73,6 +73,7 @@ def test_plot_example_on_a_parent_folder_prints_the_message(parent, tmp_path):
         timeout=300,
     )
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("error: ") and p.stderr.count("\n") == 1, p.stderr  # no upstream import notices
     assert "is not a DMI store" in p.stderr and "quickstart" in p.stderr, p.stderr
 
 
