@@ -255,3 +255,23 @@ def test_python_readers_through_megatron_dmi_print_no_upstream_notices(parent):
 def test_doctor_prints_no_torch_cuda_notice():
     p = megatron_dmi("doctor")
     assert "No CUDA runtime is found" not in p.stderr and "UserWarning" not in p.stderr, p.stderr
+
+
+def _store_without_views(store_dir: str) -> None:
+    """A schema-version-2 store written before the ``*_latest`` views existed."""
+    from megatron.core.dmi.sinks import ChdbBackend
+
+    W.write_embedded(store_dir, W.moe_records(iterations=range(1, 3)), [W.run_info()])
+    b = ChdbBackend(os.path.join(store_dir, "chdb"))
+    try:
+        b.command("DROP VIEW dmi.tensors_latest")
+        b.command("DROP VIEW dmi.expert_counts_latest")
+    finally:
+        b.close()
+
+
+def test_a_store_from_before_the_views_still_opens(tmp_path):
+    d = str(tmp_path / "s")
+    run_isolated(_store_without_views, d)
+    p = megatron_dmi("runs", d)
+    assert p.returncode == 0 and W.RUN in p.stdout, p.stderr
