@@ -565,7 +565,7 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
                     "clickhouse schema",
                     "fail",
                     f"cannot create the DMI tables: {backend.redact(str(e))[:300]}",
-                    f"GRANT CREATE DATABASE, CREATE TABLE, INSERT, SELECT ON {database}.* to this user",
+                    f"GRANT CREATE DATABASE, CREATE TABLE, CREATE VIEW, INSERT, SELECT ON {database}.* to this user",
                 )
             ]
         probe = S.qualified(database, "dmi_doctor_probe")
