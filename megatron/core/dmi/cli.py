@@ -1,10 +1,12 @@
 """``megatron-dmi <command>`` (or ``python -m megatron.core.dmi <command>``): look at what a run
 captured, during the run or after it.
 
-Reading commands open a snapshot of the store (see reader/snapshot.py: a folder of hard links under the
-store's ``.readers/``, removed when they exit) and change nothing in the store; only ``load`` writes. This module and the reader import pyarrow, pandas and chDB, not torch
-(only ``tensor`` does) nor megatron-core, so ``megatron-dmi`` starts fast (benchmarks/cli_speed.py;
-megatron_dmi/__init__.py says why ``python -m megatron.core.dmi`` cannot).
+Reading commands open a snapshot of the store (see reader/snapshot.py: a folder of hard links under
+the store's ``.readers/``, removed when they exit) and change nothing in the store; only ``load``
+writes. This module and the reader import pyarrow, pandas and chDB, not torch (only the commands
+that decode payloads do: ``tensor``, ``watch``'s entropy, three of the analyses) nor megatron-core,
+so ``megatron-dmi`` starts fast (benchmarks/cli_speed.py; megatron_dmi/__init__.py says why
+``python -m megatron.core.dmi`` cannot).
 
 Commands register through ``add_subcommand(name, setup, help)``; ``setup(parser)`` adds the
 command's arguments and sets ``func`` (a callable taking the parsed args, returning an exit code).
