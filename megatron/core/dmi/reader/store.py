@@ -198,10 +198,12 @@ def open_store(
     ``path_or_url``: a store directory (``--dmi-store-dir``: holds ``chdb/`` and ``spool/``) or a
     ClickHouse server URL. A directory is read through a snapshot taken now (see
     reader/snapshot.py), so this works while a training run writes the store and changes nothing
-    in it (the snapshot folder under ``.readers/`` is removed at ``close``); with ``ingest`` the snapshot also loads the spool's segments that the store does not
-    hold yet (a live run's latest, a crash's leftovers, ``--dmi-persist spool``): the view shows
-    every closed segment. ``writable=True`` opens the store itself instead (to ``load`` into it;
-    chDB lets one process do that: StoreBusyError while a training run's ingester holds it).
+    in it (the snapshot folder under ``.readers/`` is removed at ``close``); with ``ingest`` the
+    snapshot also loads the spool's segments that the store does not hold yet (a live run's latest,
+    a crash's leftovers, ``--dmi-persist spool``): the view shows every closed segment.
+    ``writable=True`` opens the store itself instead (to ``load`` into it; chDB lets one process do
+    that: StoreBusyError while a training run's ingester holds it). A path that is no store raises
+    NotAStoreError (``check_store_dir``) before anything is created.
     """
     if _URL_RE.match(path_or_url):
         backend: Backend = ServerBackend(path_or_url, database, password)
