@@ -21,7 +21,7 @@ import warnings
 # Import-time notices of the libraries below, not of this loop: megatron-core says that Transformer Engine and
 # Apex are missing (this example uses the local layer spec, which needs neither), torch's extension builder that
 # no CUDA runtime is found (as expected on a CPU).
-warnings.filterwarnings("ignore", message=r"(Transformer Engine and )?Apex is not installed")
+warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed")
 logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 import torch  # noqa: E402

@@ -275,3 +275,17 @@ def test_a_store_from_before_the_views_still_opens(tmp_path):
     run_isolated(_store_without_views, d)
     p = megatron_dmi("runs", d)
     assert p.returncode == 0 and W.RUN in p.stdout, p.stderr
+
+
+def test_custom_loop_example_prints_no_upstream_notices(tmp_path):
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "custom_loop.py"), "--iterations", "2", "--microbatches", "1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    for noise in ("Warning", "No CUDA runtime", "deprecated", "Traceback"):
+        assert noise not in p.stderr, p.stderr
+    assert "router.topk_ids at iteration 2, layer 1" in p.stdout
