@@ -16,6 +16,13 @@ Also records the snapshot's own cost (link time, parts and files linked) and the
 
     bash examples/quickstart.sh        # makes dmi_store/quickstart
     .venv/bin/python benchmarks/cli_speed.py dmi_store/quickstart --json benchmarks/results/cli_speed_cpu2.json
+
+``--commands`` measures every reading command instead (issue 32), each a whole process, on each store given:
+``show``, ``runs``, ``describe``, ``expert-load``, ``drops``, ``tensor`` (the first captured output, iteration and
+layer), ``watch --once`` and the routing analyses whose outputs the store holds::
+
+    .venv/bin/python benchmarks/cli_speed.py --commands dmi_store/quickstart dmi_store/it300 \
+        --repeats 5 --json benchmarks/results/cli_commands_cpu2.json
 """
 
 from __future__ import annotations
@@ -89,7 +96,7 @@ def timed(cmd: list[str], repeats: int) -> dict:
 def snapshot_cost(store: str) -> dict:
     """What one snapshot links, from the reader itself (in this process: no chDB open elsewhere)."""
     code = (
-        "import json, sys, dataclasses; import megatron_dmi; megatron_dmi._register_bare_core();"
+        "import json, sys, dataclasses; import megatron_dmi; megatron_dmi.register_bare_core();"
         "from megatron.core.dmi.reader import open_store;"
         "s = open_store(sys.argv[1]); print(json.dumps(dataclasses.asdict(s.snapshot_stats))); s.close()"
     )
@@ -97,14 +104,95 @@ def snapshot_cost(store: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+PROBE = r"""
+import json, sys, megatron_dmi
+with megatron_dmi.open_store(sys.argv[1]) as s:
+    d = s.describe(None)
+    t = d.outputs[d.outputs["phase"] == "train"]
+    first = t[t["output"] != "router.weight"].iloc[0]
+    print(json.dumps({"outputs": sorted(t["output"]), "iterations": len(d.iterations.get("train", [])),
+                      "records": d.records, "tensor": [first["output"], int(first["first_iteration"]),
+                      int(first["layers"][0])]}))
+"""
+
+# The analyses and the outputs each needs (reader/analyses.py).
+ANALYSES = {
+    "routing-concentration": {"router.expert_counts"},
+    "routing-predictability": {"router.weight", "resid.in", "router.expert_counts"},
+    "loss-vs-routing": {"loss.token", "router.topk_ids"},
+    "grad-norms": {"grad.resid_in"},
+}
+
+
+def reading_commands(store: str) -> tuple[dict[str, list[str]], dict]:
+    """Each reading command's arguments on ``store`` (the analyses its outputs allow), and what the store holds."""
+    p = subprocess.run([sys.executable, "-c", PROBE, store], capture_output=True, text=True, check=True)
+    facts = json.loads(p.stdout.strip().splitlines()[-1])
+    output, iteration, layer = facts["tensor"]
+    commands = {
+        "show": ["show", store],
+        "runs": ["runs", store],
+        "describe": ["describe", store],
+        "expert-load": ["expert-load", store],
+        "drops": ["drops", store],
+        "tensor": ["tensor", store, "--output", output, "--iteration", str(iteration), "--layer", str(layer)],
+        "watch --once": ["watch", store, "--once"],
+    }
+    for name, needs in ANALYSES.items():
+        if needs <= set(facts["outputs"]):
+            commands[name] = [name, store]
+    return commands, facts
+
+
+def time_commands(stores: list[str], repeats: int) -> dict:
+    """Every reading command on every store, ``repeats`` whole processes each."""
+    cli, out = _cli(), {}
+    for store in stores:
+        commands, facts = reading_commands(store)
+        arms = {name: timed(cli + argv, repeats) for name, argv in commands.items()}
+        out[store] = {"facts": facts, "arms": arms}
+        print(f"{store}: {facts['records']} records, {facts['iterations']} iterations")
+        for name, a in arms.items():
+            print(
+                f"  {name:>22}: median {a['median_s']:.2f} s  min {a['min_s']:.2f} s  cpu {a['cpu_median_s']:.2f} s"
+                f"  stderr lines {a['stderr_lines']}"
+            )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("store", help="a store directory (e.g. dmi_store/quickstart)")
+    ap.add_argument("store", nargs="+", help="a store directory (e.g. dmi_store/quickstart); several with --commands")
+    ap.add_argument("--commands", action="store_true", help="time every reading command on each store")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
-    if not os.path.isdir(os.path.join(args.store, "chdb")):
-        raise SystemExit(f"no embedded store at {args.store} (run `bash examples/quickstart.sh` first)")
+    for store in args.store:
+        if not os.path.isdir(os.path.join(store, "chdb")):
+            raise SystemExit(f"no embedded store at {store} (run `bash examples/quickstart.sh` first)")
+    machine = {
+        "machine": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_average_before": os.getloadavg(),
+        "python": platform.python_version(),
+    }
+    if args.commands:
+        stores = time_commands(args.store, args.repeats)
+        if args.json:
+            write_json(
+                args.json,
+                {
+                    "benchmark": "cli_commands",
+                    **machine,
+                    "load_average_after": os.getloadavg(),
+                    "cli": _cli(),
+                    "stores": stores,
+                },
+            )
+        return
+    if len(args.store) > 1:
+        raise SystemExit("one store, or --commands for several")
+    args.store = args.store[0]
     cli = _cli()
     arms = {
         "help": timed(cli + ["show", "--help"], args.repeats),

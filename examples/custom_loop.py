@@ -13,20 +13,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
+import warnings
 
-import torch
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-from megatron.core.transformer.transformer_config import TransformerConfig
+# Import-time notices of the libraries below, not of this loop: megatron-core says that Transformer Engine and
+# Apex are missing (this example uses the local layer spec, which needs neither), torch's extension builder that
+# no CUDA runtime is found (as expected on a CPU).
+warnings.filterwarnings("ignore", message=r"(Transformer Engine and Apex are|Apex is) not installed")
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
-from megatron.core import parallel_state as ps
-from megatron.core.dmi import cpu_mode
-from megatron.core.dmi.catalog import parse_hooks
-from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.session import DMISession
+import torch  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.dmi import cpu_mode  # noqa: E402
+from megatron.core.dmi.catalog import parse_hooks  # noqa: E402
+from megatron.core.dmi.config import DMIConfig  # noqa: E402
+from megatron.core.dmi.session import DMISession  # noqa: E402
 
 VOCAB, SEQ, MICRO_BATCH = 128, 32, 2
 
@@ -51,6 +59,7 @@ def tiny_moe(device: torch.device) -> GPTModel:
         num_layers=2,
         hidden_size=64,
         ffn_hidden_size=128,
+        moe_ffn_hidden_size=128,  # set, not left to fall back to ffn_hidden_size with a warning
         num_attention_heads=4,
         num_moe_experts=4,
         moe_router_topk=2,
@@ -62,6 +71,7 @@ def tiny_moe(device: torch.device) -> GPTModel:
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
         deterministic_mode=True,
+        cuda_graph_scope=[],  # upstream's default ("full") warns that it is deprecated; [] is the same whole layer
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
     )
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)

@@ -28,13 +28,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import matplotlib
 
+import megatron_dmi
+
 matplotlib.use("Agg")
+megatron_dmi.register_bare_core()  # reading needs none of megatron-core's package import (seconds, notices)
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from megatron.core.dmi.errors import DMIError  # noqa: E402
 from megatron.core.dmi.reader import open_store  # noqa: E402
 from megatron.core.dmi.reader.analyses import (  # noqa: E402
     GRADIENTS,
@@ -327,4 +332,7 @@ def main(argv=None) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DMIError as e:  # a wrong path or run: the message names it and the way out, no traceback
+        sys.exit(f"error: {e}")

@@ -435,8 +435,12 @@ def parse_hooks(spec: str | Iterable[str]) -> frozenset[str]:
         elif item in BY_NAME:
             selected.add(item)
         else:
-            known = ", ".join(["all", "none", *GROUPS, *BY_NAME])
-            raise HookSelectionError(f"unknown hook {item!r} (known: {known})")
+            import difflib
+
+            names = ["all", "none", *GROUPS, *BY_NAME]
+            near = difflib.get_close_matches(item, names, n=1)
+            hint = f": did you mean {near[0]!r}?" if near else ""
+            raise HookSelectionError(f"unknown hook {item!r}{hint} (known: {', '.join(names)})")
     return frozenset(selected)
 
 

@@ -1,10 +1,12 @@
 """``megatron-dmi <command>`` (or ``python -m megatron.core.dmi <command>``): look at what a run
 captured, during the run or after it.
 
-Reading commands open a snapshot of the store (see reader/snapshot.py) and change nothing on disk;
-only ``load`` writes. This module and the reader import pyarrow, pandas and chDB, not torch
-(only ``tensor`` does) nor megatron-core, so ``megatron-dmi`` starts fast (benchmarks/cli_speed.py;
-megatron_dmi/__init__.py says why ``python -m megatron.core.dmi`` cannot).
+Reading commands open a snapshot of the store (see reader/snapshot.py: a folder of hard links under
+the store's ``.readers/``, removed when they exit) and change nothing in the store; only ``load``
+writes. This module and the reader import pyarrow, pandas and chDB, not torch (only the commands
+that decode payloads do: ``tensor``, ``watch``'s entropy, three of the analyses) nor megatron-core,
+so ``megatron-dmi`` starts fast (benchmarks/cli_speed.py; megatron_dmi/__init__.py says why
+``python -m megatron.core.dmi`` cannot).
 
 Commands register through ``add_subcommand(name, setup, help)``; ``setup(parser)`` adds the
 command's arguments and sets ``func`` (a callable taking the parsed args, returning an exit code).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 import warnings
 from collections.abc import Callable
@@ -117,6 +120,23 @@ def _expert_load_table(store, run_id, iteration, layers=None):
     return out.reset_index()
 
 
+def _load_iteration_note(parts: dict[int, int], it: int, chosen: bool) -> str:
+    """Why ``show``'s expert-load table describes iteration ``it``: complete (every ``router.expert_counts``
+    part in) or partial, and which newer iterations were passed over as partial."""
+    full = max(parts.values()) if parts else 0
+    newer = [(i, n) for i, n in parts.items() if i > it and n < full]
+    if parts.get(it, 0) < full:
+        return (
+            f"(iteration {it} is partial: {parts.get(it, 0)} of {full} router.expert_counts parts (microbatch x layer "
+            f"x data-parallel rank x token range), so its load and imbalance cover only what was captured)"
+        )
+    why = "the latest complete iteration" if chosen else "complete"
+    if newer:
+        skipped = ", ".join(f"{i} ({n} of {full} parts)" for i, n in newer[-3:])
+        return f"(iteration {it}: {why}; newer and partial, not shown: {skipped})"
+    return f"(iteration {it}: {why}, all {full} router.expert_counts parts in)"
+
+
 def cmd_show(args) -> int:
     """``show``: describe the latest run (or one, or all) with its records per output."""
     with _open(args) as store:
@@ -145,12 +165,12 @@ def cmd_show(args) -> int:
                     ]
                 ]
             )
-            its = d.iterations.get("train", [])
-            load_its = sorted(store.expert_load(run_id)["iteration"].unique()) if its else []
-            it = args.iteration if args.iteration is not None else (int(load_its[-1]) if load_its else None)
+            parts = store.expert_count_parts(run_id) if d.iterations.get("train") else {}
+            it = args.iteration if args.iteration is not None else store.latest_complete_iteration(run_id)
             if it is not None:
                 t = _expert_load_table(store, run_id, it)
                 if t is not None:
+                    print(_load_iteration_note(parts, it, chosen=args.iteration is None))
                     print(f"expert load (tokens after capacity dropping) at iteration {it}:")
                     _print_table(t)
                 else:
@@ -215,19 +235,41 @@ def cmd_tensor(args) -> int:
     return 0
 
 
+def _no_expert_counts(store, run_id: str, layers: list[int] | None, iteration: int | None) -> int:
+    """Say why ``expert-load`` found nothing: no counts captured at all, or none at the layers or iteration asked
+    for (naming the captured ones); returns 0 when nothing was captured, 2 when the request missed."""
+    from megatron.core.dmi.reader.errors import format_ranges
+
+    load = store.expert_load(run_id)
+    if load.empty:
+        print(f"run {run_id} captured no router.expert_counts (capture them with --dmi-hooks router)")
+        return 0
+    asked = ", ".join(
+        ([f"layer(s) {format_ranges(layers)}"] if layers else [])
+        + ([f"iteration {iteration}"] if iteration is not None else [])
+    )
+    print(
+        f"error: no router.expert_counts at {asked} in run {run_id}: captured at layer(s) "
+        f"{format_ranges(load['layer'].unique().tolist())}, iteration(s) {format_ranges(load['iteration'].unique().tolist())}",
+        file=sys.stderr,
+    )
+    return 2
+
+
 def cmd_expert_load(args) -> int:
     """``expert-load``: tokens per expert after capacity dropping, per layer."""
     with _open(args) as store:
         run_id = store.resolve_run(args.run_id)
         if args.iteration is not None:
             t = _expert_load_table(store, run_id, args.iteration, args.layer)
+            if t is None:
+                return _no_expert_counts(store, run_id, args.layer, args.iteration)
             print(f"expert load at iteration {args.iteration} (tokens after dropping):")
-            _print_table(t if t is not None else __import__("pandas").DataFrame())
+            _print_table(t)
             return 0
         load = store.expert_load(run_id, layers=args.layer)
         if load.empty:
-            print("no router.expert_counts captured")
-            return 0
+            return _no_expert_counts(store, run_id, args.layer, None)
         g = load.groupby(["iteration", "layer"])
         s = g["tokens_post"].agg(["sum", "max", "mean"]).reset_index()
         pre = g["tokens_pre"].sum().values
@@ -290,7 +332,28 @@ def cmd_load(args) -> int:
     )
     for e in r.errors:
         print(f"  ! {e}")
+    _report_unfinished(src, args.delete)
     return 1 if r.errors else 0
+
+
+def _report_unfinished(spool_root: str, delete: bool) -> None:
+    """Name the unfinished segment files ``load`` skipped: a killed writer's (deleted with ``--delete``) or a live
+    one's."""
+    import os
+
+    from megatron.core.dmi.sinks.spool import unfinished_segments
+
+    for path, alive in unfinished_segments(spool_root):
+        if alive:
+            print(f"  skipped {path}: a segment its process (still running) is writing")
+        elif delete:
+            os.unlink(path)
+            print(f"  deleted {path}: a segment its process was killed while writing (nothing in it was complete)")
+        else:
+            print(
+                f"  skipped {path}: a segment its process was killed while writing (nothing in it was complete; "
+                "--delete removes it)"
+            )
 
 
 def cmd_export(args) -> int:
@@ -301,7 +364,7 @@ def cmd_export(args) -> int:
         n = export_spool(store, args.to, args.run_id, progress=sys.stderr.isatty())
     print(
         f"exported {n} record(s) as spool segments under {args.to}; load them with "
-        f"`python -m megatron.core.dmi load {args.to} --store <dir-or-url>`"
+        f"`megatron-dmi load {args.to} --store <dir-or-url>`"
     )
     return 0
 
@@ -522,6 +585,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m megatron.core.dmi
     # Upstream libraries' import-time notices (no CUDA, no Transformer Engine/apex, absl) are not
     # the user's business here; DMI's own warnings (e.g. a corrupt segment) still show.
     warnings.filterwarnings("ignore", module=r"(torch|transformer_engine|apex|megatron\.core(?!\.dmi))(\.|$)")
+    # The ClickHouse driver logs each failed request before raising it (the error printed below says it once);
+    # torch's extension builder logs "No CUDA runtime is found" on a CPU (``doctor`` reports the GPU itself).
+    logging.getLogger("clickhouse_connect").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     args = build_parser(prog).parse_args(argv)
     from megatron.core.dmi.reader import ReconstructionError, SchemaVersionError, StoreBusyError, StoreError
     from megatron.core.dmi.sinks import BackendError, IdentifierError, ServerURLError

@@ -1,15 +1,15 @@
-"""``python -m megatron.core.dmi doctor``: probe this machine for what Megatron-DMI needs.
+"""``megatron-dmi doctor``: probe this machine for what Megatron-DMI needs.
 
 Prints one line per check, ``ok``, ``warn`` or ``fail``, each ``warn``/``fail`` with its fix, and
 exits non-zero when any check fails::
 
-    python -m megatron.core.dmi doctor                       # versions, compilers, chDB round trip
-    python -m megatron.core.dmi doctor --check-cuda          # a GPU is required (fail without one)
-    python -m megatron.core.dmi doctor --build               # also JIT-build the native ring now
-    python -m megatron.core.dmi doctor --store ./dmi_store   # an existing embedded store
-    python -m megatron.core.dmi doctor --clickhouse-url http://host:8123   # a server: reach + rights
+    megatron-dmi doctor                       # versions, compilers, chDB round trip
+    megatron-dmi doctor --check-cuda          # a GPU is required (fail without one)
+    megatron-dmi doctor --build               # also JIT-build the native ring now
+    megatron-dmi doctor --store ./dmi_store   # an existing embedded store
+    megatron-dmi doctor --clickhouse-url http://host:8123   # a server: reach + rights
 
-Also registers ``python -m megatron.core.dmi hooks [--markdown]``, which prints the hook catalog
+Also registers ``megatron-dmi hooks [--markdown]``, which prints the hook catalog
 (``--markdown``: the table of docs/hooks.md, generated from megatron/core/dmi/catalog.py).
 
 chDB lets one process open one store, so every check that opens a store runs in a subprocess.
@@ -238,8 +238,8 @@ def check_build_tools(require_cuda: bool) -> list[Check]:
         return out
     for kind in ("host", "cuda"):
         e = r[kind]
-        if kind == "cuda" and not (gpu or r["nvcc"]):
-            continue
+        if kind == "cuda" and not gpu:
+            continue  # without a GPU the host ring runs: a CUDA build is of no use here
         where = os.path.join(r["extensions_dir"], e["name"])
         if e["cached"]:
             out.append(Check(f"jit cache ({kind})", "ok", f"current build cached at {where}"))
@@ -250,7 +250,7 @@ def check_build_tools(require_cuda: bool) -> list[Check]:
                     "warn",
                     f"no build for the current sources/torch in {r['extensions_dir']}: the first run builds it "
                     f"({'seconds' if kind == 'host' else 'about a minute'})",
-                    "python -m megatron.core.dmi doctor --build" + (" cuda" if kind == "cuda" and not gpu else ""),
+                    "megatron-dmi doctor --build",
                 )
             )
         else:
@@ -544,7 +544,7 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
                     "fail",
                     f"{backend.description} unreachable: {backend.redact(str(e))[:300]}",
                     "start the server or fix the URL/firewall; meanwhile train with --dmi-persist spool and "
-                    "load the spool later (python -m megatron.core.dmi load)",
+                    "load the spool later (megatron-dmi load)",
                 )
             ]
         out.append(Check("clickhouse server", "ok", f"{backend.description}, version {version}"))
@@ -565,7 +565,7 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
                     "clickhouse schema",
                     "fail",
                     f"cannot create the DMI tables: {backend.redact(str(e))[:300]}",
-                    f"GRANT CREATE DATABASE, CREATE TABLE, INSERT, SELECT ON {database}.* to this user",
+                    f"GRANT CREATE DATABASE, CREATE TABLE, CREATE VIEW, INSERT, SELECT ON {database}.* to this user",
                 )
             ]
         probe = S.qualified(database, "dmi_doctor_probe")
@@ -604,7 +604,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
                 fn.__name__.replace("check_", ""),
                 "fail",
                 f"check crashed: {type(e).__name__}: {e}",
-                "report this with the output of `python -m megatron.core.dmi doctor`",
+                "report this with the output of `megatron-dmi doctor`",
             )
         checks.extend(r if isinstance(r, list) else [r])
 

@@ -159,7 +159,7 @@ class DMISession:
         if cuda_graphs and not hasattr(self.transport, "publish_site"):
             raise RuntimeError(
                 "DMI: CUDA graphs need the native transport, which could not be built here "
-                "(run `python -m megatron.core.dmi doctor --build`)"
+                "(run `megatron-dmi doctor --build`)"
             )
 
     @property

@@ -19,6 +19,7 @@ _MODULE_OF = {
     "RunDescription": "store",
     "resolve_store_dir": "store",
     "StoreError": "errors",
+    "NotAStoreError": "errors",
     "ReconstructionError": "errors",
     "AmbiguousLayerError": "errors",
     "StoreBusyError": "megatron.core.dmi.sinks.backend",

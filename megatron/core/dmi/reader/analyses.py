@@ -27,12 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-import torch
 
 from megatron.core.dmi.reader.store import Store, StoreError
+
+if TYPE_CHECKING:  # torch is imported by the analyses that decode payloads: routing_concentration needs none
+    import torch
 
 
 @dataclass
@@ -115,6 +118,8 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
 def predicted_expert_counts(hidden: torch.Tensor, weight: torch.Tensor, topk: int) -> torch.Tensor:
     """Tokens per expert among the top-``topk`` of ``hidden @ weight.T`` (hidden: [..., h], weight
     [E, h]), computed in fp32; ties go to the lower expert id."""
+    import torch
+
     logits = hidden.reshape(-1, hidden.shape[-1]).float() @ weight.float().T
     order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :topk]
     return torch.bincount(order.reshape(-1), minlength=weight.shape[0])
@@ -216,6 +221,8 @@ def loss_vs_routing(
     whether the layer dropped at least one of their routes) and their mean loss ``loss_dropped`` /
     ``loss_kept`` (NaN without such tokens), over every stored microbatch and data-parallel rank.
     A loss mask stored as NaN (the step passed none) counts every token."""
+    import torch
+
     run_id = store.resolve_run(run_id)
     visible = store.visible_attempts(run_id)
     its = sorted(i for p, i in visible if p == phase and (not iterations or i in set(iterations)))

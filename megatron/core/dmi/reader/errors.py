@@ -9,6 +9,19 @@ class StoreError(DMIError, RuntimeError):
     """The store cannot answer: no such store, run, iteration or layer."""
 
 
+class NotAStoreError(StoreError):
+    """The path given is no DMI store: missing, a plain file, or a folder without ``chdb/`` or ``spool/``.
+
+    ``found``: the store folders found under the path (a run's ``--save`` folder, a parent of stores), so the
+    message can name them; ``missing``: the path does not exist (a reader that waits for a run may retry).
+    """
+
+    def __init__(self, message: str, found: Sequence[str] = (), missing: bool = False):
+        """Keep the message, the stores found under the path and whether the path is missing."""
+        self.found, self.missing = list(found), missing
+        super().__init__(message)
+
+
 class ReconstructionError(DMIError, RuntimeError):
     """The stored shards do not form exactly one full tensor (gap, overlap, conflict, corruption)."""
 

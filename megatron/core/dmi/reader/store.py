@@ -1,7 +1,8 @@
 """The reader: open a DMI store (embedded chDB directory or ClickHouse URL) and answer questions.
 
 An embedded store is read through a private snapshot (reader/snapshot.py): readers never hold the
-store itself, so they run beside a training run's ingester and never change what is on disk.
+store itself, so they run beside a training run's ingester and never change the store (the snapshot is a
+folder of hard links under ``<store>/.readers/``, removed when the reader closes).
 torch is imported only by the methods that return tensors.
 
 Every query sees each (phase, iteration) exactly once, from its latest attempt: attempt ``a``'s
@@ -27,7 +28,13 @@ import pyarrow as pa
 
 from megatron.core.dmi import catalog
 from megatron.core.dmi.key import RecordKey
-from megatron.core.dmi.reader.errors import AmbiguousLayerError, ReconstructionError, StoreError, format_ranges
+from megatron.core.dmi.reader.errors import (
+    AmbiguousLayerError,
+    NotAStoreError,
+    ReconstructionError,
+    StoreError,
+    format_ranges,
+)
 from megatron.core.dmi.reader.snapshot import ReaderSnapshot, SnapshotStats, link_spool, link_store
 from megatron.core.dmi.records import TENSOR_SCHEMA, Record
 from megatron.core.dmi.sinks import schema as S
@@ -51,7 +58,7 @@ class RunDescription:
     """What a store holds of one run: its attempts, outputs, layers and visible iterations."""
 
     run_id: str
-    attempts: pd.DataFrame  # attempt, resumed_from_iteration, started_at, world_size, versions_json
+    attempts: pd.DataFrame  # attempt, resumed_from_iteration, started_at, world_size, versions_json, ended
     outputs: pd.DataFrame  # phase, output, records, bytes, layers, n_iterations, first/last iteration, ranks
     layers: list[int]
     iterations: dict[str, list[int]]  # phase -> visible iterations
@@ -71,12 +78,22 @@ class RunDescription:
             f"run {self.run_id}: {self.records} records, {self.bytes / 2**20:.2f} MiB"
             + (f" ({self.superseded_records} superseded by later attempts)" if self.superseded_records else "")
         ]
+        latest = self.attempts["attempt"].max() if not self.attempts.empty else None
         for _, a in self.attempts.iterrows():
             rf = a["resumed_from_iteration"]
+            ended = (
+                ""
+                if a.get("ended", True)
+                else (
+                    ", died before it ended (no end-of-run report)"
+                    if a["attempt"] != latest
+                    else ", no end-of-run report yet (still running, or killed)"
+                )
+            )
             lines.append(
                 f"  attempt {a['attempt']}: "
                 + ("fresh start" if rf < 0 else f"resumed from iteration {rf}")
-                + f", {a['world_size']} rank(s), started {a['started_at']}"
+                + f", {a['world_size']} rank(s), started {a['started_at']}{ended}"
             )
         for phase, its in self.iterations.items():
             if its:
@@ -129,6 +146,44 @@ def resolve_store_dir(path: str) -> tuple[str, str]:
     return path, os.path.join(path, "chdb")
 
 
+def find_stores(path: str, depth: int = 2) -> list[str]:
+    """The DMI store folders (holding ``chdb/`` or ``spool/``) at most ``depth`` levels under ``path``, sorted."""
+    found: list[str] = []
+    try:
+        entries = sorted(e for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+    except OSError:
+        return found
+    for e in entries:
+        if os.path.isdir(os.path.join(e.path, "chdb")) or os.path.isdir(os.path.join(e.path, "spool")):
+            found.append(e.path)
+        elif depth > 1:
+            found += find_stores(e.path, depth - 1)
+    return found
+
+
+def check_store_dir(given: str, store_dir: str) -> None:
+    """Raise NotAStoreError unless ``store_dir`` (the folder ``given`` names) is a store a reader can open: it
+    exists, is a folder, and holds ``chdb/`` or ``spool/`` (a folder without them, such as a run's ``--save``
+    folder or the parent of several stores, is named with the stores found under it)."""
+    if os.path.isfile(store_dir):
+        raise NotAStoreError(
+            f"{given} is a file, not a DMI store: pass the store folder (--dmi-store-dir, default <--save>/dmi_store)"
+        )
+    if not os.path.isdir(store_dir):
+        raise NotAStoreError(f"no DMI store at {given} (directory does not exist)", missing=True)
+    if os.path.isdir(os.path.join(store_dir, "chdb")) or os.path.isdir(os.path.join(store_dir, "spool")):
+        return
+    found = find_stores(store_dir)
+    if found:
+        names = ", ".join(os.path.join(given, os.path.relpath(f, store_dir)) for f in found[:10])
+        names += f" (and {len(found) - 10} more)" if found[10:] else ""
+        raise NotAStoreError(f"{given} is not a DMI store (no chdb/ or spool/ in it); stores under it: {names}", found)
+    raise NotAStoreError(
+        f"{given} is not a DMI store (no chdb/ or spool/ in it, nor in its sub-folders): pass the folder given as "
+        "--dmi-store-dir (default <--save>/dmi_store)"
+    )
+
+
 def open_store(
     path_or_url: str,
     *,
@@ -143,18 +198,22 @@ def open_store(
     ``path_or_url``: a store directory (``--dmi-store-dir``: holds ``chdb/`` and ``spool/``) or a
     ClickHouse server URL. A directory is read through a snapshot taken now (see
     reader/snapshot.py), so this works while a training run writes the store and changes nothing
-    on disk; with ``ingest`` the snapshot also loads the spool's segments that the store does not
-    hold yet (a live run's latest, a crash's leftovers, ``--dmi-persist spool``): the view shows
-    every closed segment. ``writable=True`` opens the store itself instead (to ``load`` into it;
-    chDB lets one process do that: StoreBusyError while a training run's ingester holds it).
+    in it (the snapshot folder under ``.readers/`` is removed at ``close``); with ``ingest`` the
+    snapshot also loads the spool's segments that the store does not hold yet (a live run's latest,
+    a crash's leftovers, ``--dmi-persist spool``): the view shows every closed segment.
+    ``writable=True`` opens the store itself instead (to ``load`` into it; chDB lets one process do
+    that: StoreBusyError while a training run's ingester holds it). A path that is no store raises
+    NotAStoreError (``check_store_dir``) before anything is created.
     """
     if _URL_RE.match(path_or_url):
         backend: Backend = ServerBackend(path_or_url, database, password)
         backend.ensure_schema()
         return Store(backend, path_or_url)
     store_dir, chdb_path = resolve_store_dir(path_or_url)
-    if not os.path.isdir(store_dir):
-        raise StoreError(f"no DMI store at {path_or_url} (directory does not exist)")
+    if not writable:
+        check_store_dir(path_or_url, store_dir)
+    elif not os.path.isdir(store_dir):
+        raise NotAStoreError(f"no DMI store at {path_or_url} (directory does not exist)", missing=True)
     if writable:
         backend = ChdbBackend(chdb_path, database)
         try:
@@ -265,17 +324,21 @@ class Store:
 
     # -- runs -------------------------------------------------------------------------------
     def runs(self) -> pd.DataFrame:
-        """One row per run: attempts, start time, visible record counts and iteration span."""
+        """One row per run: attempts, start time, visible record counts (what ``describe`` and every query see: the
+        ``tensors_latest`` view), records superseded by later attempts, and the visible iteration span."""
         meta = self.df(
             f"SELECT run_id, max(attempt) AS attempts, min(started_at) AS started_at, max(world_size) AS world_size "
             f"FROM {self.t('runs')} FINAL GROUP BY run_id"
         )
         data = self.df(
             f"SELECT run_id, count() AS records, sum(nbytes) AS bytes, min(iteration) AS first_iteration, "
-            f"max(iteration) AS last_iteration FROM {self.t('tensors')} FINAL GROUP BY run_id"
+            f"max(iteration) AS last_iteration FROM {self.t('tensors_latest')} GROUP BY run_id"
         )
-        out = meta.merge(data, on="run_id", how="outer")
-        for c in ("attempts", "world_size", "records", "bytes", "first_iteration", "last_iteration"):
+        total = self.df(f"SELECT run_id, count() AS stored FROM {self.t('tensors')} FINAL GROUP BY run_id")
+        out = meta.merge(data, on="run_id", how="outer").merge(total, on="run_id", how="outer")
+        out.insert(out.columns.get_loc("bytes"), "superseded", out["stored"].fillna(0) - out["records"].fillna(0))
+        out = out.drop(columns=["stored"])
+        for c in ("attempts", "world_size", "records", "superseded", "bytes", "first_iteration", "last_iteration"):
             out[c] = out[c].fillna(0).astype("int64")
         return out.sort_values(["started_at", "run_id"], na_position="first").reset_index(drop=True)
 
@@ -355,6 +418,10 @@ class Store:
             .as_py()
         )
         attempts = self.attempts(run_id)
+        reported = self.df(
+            f"SELECT DISTINCT attempt FROM {self.t('reports')} FINAL WHERE run_id = {{run:String}}", {"run": run_id}
+        )
+        attempts["ended"] = attempts["attempt"].isin(reported["attempt"])  # a rank wrote its end-of-run report
         latest = attempts.iloc[-1] if not attempts.empty else None
         meta = {
             name: _json_or_empty(None if latest is None else latest[f"{name}_json"])
@@ -452,14 +519,45 @@ class Store:
                 .column("layer")
                 .to_pylist()
             )
+            if not layers:
+                self._raise_no_records(run_id, output, phase, iteration, None)
+                return []
             if len(layers) != 1:
-                raise AmbiguousLayerError(output, iteration, format_ranges(layers) if layers else "none")
+                raise AmbiguousLayerError(output, iteration, format_ranges(layers))
             layer = layers[0]
         params["layer"] = int(layer)
         table = self.sql(
             f"SELECT {_RECORD_SELECT} FROM {self.t('tensors')} FINAL WHERE {where} AND layer = {{layer:Int32}}", params
         )
         return self._to_records(table)
+
+    def _raise_no_records(self, run_id: str, output: str, phase: str, iteration: int, layer: int | None) -> None:
+        """Raise a StoreError naming what a query for no records got wrong: an output the run did not capture
+        (the captured ones, the nearest name), or a layer it was not captured at; return when neither."""
+        import difflib
+
+        where = (
+            "run_id = {run:String} AND phase = {phase:String} AND output = {output:String} AND iteration = {it:Int64}"
+        )
+        params = {"run": run_id, "phase": phase, "output": output, "it": int(iteration)}
+        outputs = self.sql(
+            f"SELECT DISTINCT output FROM {self.t('tensors')} WHERE run_id = {{run:String}} ORDER BY output", params
+        ).column("output")
+        captured = [str(o) for o in outputs.to_pylist()]
+        if output not in captured:
+            known = "unknown output" if output not in catalog.BY_NAME else "output"
+            near = difflib.get_close_matches(output, captured or list(catalog.BY_NAME), n=1)
+            raise StoreError(
+                f"{known} {output!r}: run {run_id!r} captured "
+                + (", ".join(captured) or "nothing")
+                + (f"; did you mean {near[0]!r}?" if near else "")
+            )
+        layers = self.sql(f"SELECT DISTINCT layer FROM {self.t('tensors')} WHERE {where} ORDER BY layer", params)
+        got = layers.column("layer").to_pylist()
+        if layer is not None and got and layer not in got:
+            raise StoreError(
+                f"{output} at iteration {iteration} was captured at layer(s) {format_ranges(got)}, not at layer {layer}"
+            )
 
     @staticmethod
     def _to_records(table: pa.Table) -> list[Record]:
@@ -496,6 +594,7 @@ class Store:
         recs = self.records(run_id, output, iteration, microbatch, layer, phase, None if rows else dp, invocation)
         what = f"{output} run {run_id} {phase} iteration {iteration} microbatch {microbatch} layer {recs[0].key.layer if recs else layer}"
         if not recs:
+            self._raise_no_records(run_id, output, phase, iteration, layer)
             raise ReconstructionError(f"{what}: no records (dp {dp}, invocation {invocation})")
         from megatron.core.dmi.reader.reconstruct import rebuild_expert_rows, reconstruct
 
@@ -546,6 +645,29 @@ class Store:
             f" GROUP BY iteration, layer, expert ORDER BY iteration, layer, expert",
             params,
         )
+
+    def expert_count_parts(self, run_id: str, phase: str = "train") -> dict[int, int]:
+        """Visible iteration -> how many ``router.expert_counts`` parts (microbatch x layer x data-parallel rank x
+        token range) it holds: an iteration with fewer than the fullest one is partial (a live run's newest, or
+        one a killed attempt left half written)."""
+        params = self._vis_params(run_id)
+        params["phase"] = phase
+        rows = self.sql(
+            f"SELECT iteration, uniqExact(microbatch, layer, dp, token_start, token_end) AS parts "
+            f"FROM {self.t('expert_counts')} FINAL WHERE run_id = {{run:String}} AND phase = {{phase:String}} "
+            f"AND invocation = 0 AND {_VISIBLE} GROUP BY iteration ORDER BY iteration",
+            params,
+        ).to_pylist()
+        return {int(r["iteration"]): int(r["parts"]) for r in rows}
+
+    def latest_complete_iteration(self, run_id: str, phase: str = "train") -> int | None:
+        """The newest visible iteration with as many ``router.expert_counts`` parts as the fullest one (None: no
+        counts): the newest iteration may be only partly written, and its numbers would look like a collapse."""
+        parts = self.expert_count_parts(run_id, phase)
+        if not parts:
+            return None
+        fullest = max(parts.values())
+        return max(it for it, n in parts.items() if n == fullest)
 
     def drop_rate(self, run_id: str | None = None, phase: str = "train", by_layer: bool = False) -> pd.DataFrame:
         """Fraction of routed token slots dropped by the capacity factor, per iteration (and layer).

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class WatchFrame:
     dropped_records: int = 0  # lost before persistence (ring full, disk full)
     load_iteration: int | None = None  # the iteration the per-layer numbers describe
     layers: list[LayerStats] = field(default_factory=list)
+    store_missing: bool = False  # no store at the path yet: the run has not created it (watch waits for it)
 
 
 def _layer_stats(load, entropy) -> list[LayerStats]:
@@ -77,26 +79,19 @@ def _layer_stats(load, entropy) -> list[LayerStats]:
     return out
 
 
-def _latest_whole_iteration(store, run_id: str) -> int | None:
-    """The newest train iteration with as many ``router.expert_counts`` records (microbatch x layer
-    x data-parallel rank x token range) as the fullest one: while a run writes, its newest
-    iteration may be only partly in closed segments, and its numbers would look like a collapse."""
-    per_it = store.sql(
-        f"SELECT iteration, uniqExact(microbatch, layer, dp, token_start, token_end) AS parts "
-        f"FROM {store.t('expert_counts')} FINAL WHERE run_id = {{run:String}} AND phase = 'train' "
-        f"AND invocation = 0 GROUP BY iteration",
-        {"run": run_id},
-    ).to_pylist()
-    if not per_it:
-        return None
-    fullest = max(r["parts"] for r in per_it)
-    return max(int(r["iteration"]) for r in per_it if r["parts"] == fullest)
-
-
 def collect(store_path: str, database: str = "dmi", run_id: str | None = None, entropy: bool = True) -> WatchFrame:
     """One frame: a fresh snapshot of the store, read and closed."""
+    from megatron.core.dmi.reader.errors import NotAStoreError
+
     frame = WatchFrame(store=store_path, run_id=run_id, taken_at=datetime.now().strftime("%H:%M:%S"))
-    with open_for_reading(store_path, database, quiet=True) as store:
+    try:
+        opened = open_for_reading(store_path, database, quiet=True)
+    except NotAStoreError as e:
+        if e.found or not (e.missing or os.path.isdir(store_path)):
+            raise  # a wrong folder (stores under it) or a plain file: waiting would not help
+        frame.store_missing = True
+        return frame
+    with opened as store:
         frame.store_lag_records = store.ingest_result.records
         frame.store_lag_segments = store.ingest_result.segments_loaded
         if store.runs().empty:
@@ -107,7 +102,7 @@ def collect(store_path: str, database: str = "dmi", run_id: str | None = None, e
         its = d.iterations.get("train", [])
         frame.first_iteration, frame.last_iteration = (its[0], its[-1]) if its else (None, None)
         frame.records, frame.bytes, frame.dropped_records = d.records, d.bytes, d.dropped_records
-        it = _latest_whole_iteration(store, d.run_id)
+        it = store.latest_complete_iteration(d.run_id)
         if it is None:
             return frame
         frame.load_iteration = it
@@ -134,6 +129,8 @@ def render(frame: WatchFrame, interval: float | None = None):
     head = Text.assemble(
         ("DMI watch ", "bold"), frame.store, f"   {frame.taken_at}", f" (every {interval:g} s)" if interval else ""
     )
+    if frame.store_missing:
+        return Group(head, Text("no DMI store here yet: waiting for the run to create it (its --dmi-store-dir)"))
     if frame.run_id is None:
         return Group(head, Text("no runs yet"))
     span = (

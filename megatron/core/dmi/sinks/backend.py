@@ -325,6 +325,11 @@ def secret_forms(secret: str | None, username: str | None = None) -> list[str]:
     return sorted(forms, key=len, reverse=True)
 
 
+# The operating system's reason inside the driver's connection error ("[Errno 111] Connection refused"),
+# which the driver wraps in its pool, query id and URL.
+_OS_REASON = re.compile(r"\[Errno -?\d+\] [^\"')(]+")
+
+
 def redact(text: str, secret: str | None, username: str | None = None) -> str:
     """``text`` safe to print, report and store: no password in any form, no Authorization header
     value, no URL user info, and no raw body of a non-ClickHouse error response."""
@@ -370,7 +375,15 @@ class ServerBackend(Backend):
                     settings={"output_format_arrow_string_as_string": 0},
                 )
             except Exception as e:  # never let the password leak through an exception text
-                raise BackendError(f"cannot connect to ClickHouse {self.description}: {self.redact(str(e))}") from None
+                reason = _OS_REASON.search(str(e))
+                raise BackendError(
+                    f"cannot connect to ClickHouse {self.description}: "
+                    + (
+                        f"{reason.group(0).strip()}; is the server running, and are the URL's host and port right?"
+                        if reason
+                        else self.redact(str(e))
+                    )
+                ) from None
         return self._client
 
     def _wrap(self, fn):

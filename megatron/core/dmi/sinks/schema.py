@@ -289,7 +289,7 @@ TABLES = ("tensors", "expert_counts", "runs", "topology", "drops", "reports", "s
 
 
 def ddl(database: str = DEFAULT_DATABASE) -> list[str]:
-    """Statements that create the database and every table (idempotent: IF NOT EXISTS)."""
+    """Statements that create the database, every table and the ``*_latest`` views (idempotent: IF NOT EXISTS)."""
     db = check_identifier(database, "database name")
     out = [f"CREATE DATABASE IF NOT EXISTS {db}"]
     out.append(
@@ -303,7 +303,37 @@ def ddl(database: str = DEFAULT_DATABASE) -> list[str]:
             f"CREATE TABLE IF NOT EXISTS {qualified(db, table)} (\n{_columns(schema)}\n)"
             f" ENGINE = ReplacingMergeTree ORDER BY ({order})"
         )
+    out += [_latest_view(db, view, table) for view, table in LATEST_VIEWS.items()]
     return out
+
+
+# Views holding exactly what the reader sees (plain SQL's way to skip superseded attempts): each
+# (run, phase, iteration) from the highest attempt that has rows for it and is not cut off by a later
+# attempt resumed from an earlier checkpoint (``runs.resumed_from_iteration``). Views add no
+# column and no table, so a store of this schema version gains them on open (``CREATE ... IF NOT EXISTS``).
+LATEST_VIEWS = {"tensors_latest": "tensors", "expert_counts_latest": "expert_counts"}
+
+
+def _latest_view(db: str, view: str, table: str) -> str:
+    source = qualified(db, table)
+    return (
+        f"CREATE VIEW IF NOT EXISTS {qualified(db, view)} AS\n"
+        f"SELECT * FROM {source} FINAL\n"
+        "WHERE (run_id, phase, iteration, attempt) IN (\n"
+        "    SELECT run_id, phase, iteration, max(attempt) FROM (\n"
+        "        SELECT k.run_id AS run_id, k.phase AS phase, k.iteration AS iteration, k.attempt AS attempt\n"
+        f"        FROM (SELECT DISTINCT run_id, phase, iteration, attempt FROM {source}) AS k\n"
+        "        LEFT JOIN (\n"
+        "            SELECT run_id, groupArray((attempt, resumed_from_iteration)) AS resumes\n"
+        "            FROM (SELECT run_id, attempt, any(resumed_from_iteration) AS resumed_from_iteration\n"
+        f"                  FROM {qualified(db, 'runs')} FINAL GROUP BY run_id, attempt)\n"
+        "            GROUP BY run_id\n"
+        "        ) AS c ON k.run_id = c.run_id\n"
+        "        WHERE NOT arrayExists(x -> x.1 > k.attempt AND x.2 >= 0 AND k.iteration > x.2, c.resumes)\n"
+        "    )\n"
+        "    GROUP BY run_id, phase, iteration\n"
+        ")"
+    )
 
 
 def version_mismatch(found: int, where: str) -> SchemaVersionError:

@@ -321,7 +321,7 @@ class _BufferedSink(DMISink):
 
 
 class SpoolSink(_BufferedSink):
-    """``--dmi-persist spool``: Parquet segments only; ``python -m megatron.core.dmi load`` loads
+    """``--dmi-persist spool``: Parquet segments only; ``megatron-dmi load`` loads
     them into a store later."""
 
     name = "spool"
@@ -456,7 +456,7 @@ class EmbeddedSink(SpoolSink):
         if left_rows:
             log.warning(
                 "DMI rank %d: %d record(s) could not be loaded into the store and remain in %s; "
-                "opening the store (python -m megatron.core.dmi show %s) loads them",
+                "opening the store (megatron-dmi show %s) loads them",
                 self.coords.rank,
                 left_rows,
                 self.spool.dir,
@@ -620,7 +620,7 @@ class ServerSink(_BufferedSink):
             if self.report.records_spooled:
                 log.warning(
                     "DMI rank %d: %d record(s) remain spooled in %s; load them with "
-                    "`python -m megatron.core.dmi load %s --store <dir-or-url>`",
+                    "`megatron-dmi load %s --store <dir-or-url>`",
                     self.coords.rank,
                     self.report.records_spooled,
                     self.spool.dir,

@@ -270,6 +270,26 @@ def list_segments(spool_root: str, ranks: set[int] | None = None) -> list[Segmen
     return out
 
 
+def unfinished_segments(spool_root: str) -> list[tuple[str, bool]]:
+    """(path, writer alive) of every ``.<name>.<pid>.tmp`` file under ``spool_root``'s rank folders: a segment its
+    writer had not finished; one whose process is gone was killed mid-write and holds nothing complete (its
+    records were never acknowledged; the next run on that rank folder deletes it)."""
+    out = []
+    for folder, _dirs, files in os.walk(spool_root):
+        for name in sorted(files):
+            parts = name.split(".")
+            if name.startswith(".") and name.endswith(".tmp") and len(parts) >= 4 and parts[-2].isdigit():
+                try:
+                    os.kill(int(parts[-2]), 0)
+                    alive = True
+                except ProcessLookupError:
+                    alive = False
+                except PermissionError:
+                    alive = True
+                out.append((os.path.join(folder, name), alive))
+    return out
+
+
 def segment_id_of(seg: Segment, metadata: dict | None) -> str:
     if metadata and META_ID in metadata:
         return metadata[META_ID].decode()
