@@ -10,6 +10,7 @@ fields of the forward that made the tensor (``gradient_firing``, ``publish_gradi
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -73,6 +74,14 @@ class Placement:
     token_total: int
     shard_index: int = 0
     shard_count: int = 1
+
+    def __post_init__(self):
+        """Hash once: every firing looks its sites up by placement."""
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self):
+        """The hash computed at construction."""
+        return self._hash
 
 
 @dataclass
@@ -152,20 +161,21 @@ class Capture:
         if replaying and not self.config.record_replays:
             self.stats.replays_rejected += len(tensors)
             return 0
-        handles, firings, sites = [], [], []
-        for output, tensor in tensors.items():
-            firing = self._firing(output, layer, coords, replaying)
-            site, handle = self._site(output, layer, coords, tensor, where)
-            handles.append(handle)
-            firings.append(firing)
-            sites.append(site)
-        accepted = self.transport.publish_firings(handles, list(tensors.values()), firings)
+        if replaying or self.config.record_replays:  # each output has its own replay queue
+            firings = [self._firing(output, layer, coords, replaying) for output in tensors]
+        else:  # every output of an original firing shares its step fields
+            firings = [Firing(self.step.iteration, self.step.microbatch, self.attempt, self.step.phase, 0)] * len(
+                tensors
+            )
+        sites = [self._site(output, layer, coords, tensor, where) for output, tensor in tensors.items()]
+        accepted = self.transport.publish_firings([handle for _, handle in sites], list(tensors.values()), firings)
         if not replaying:
             for observe in self.observers:
                 observe(layer, self.step, tensors)
-        for site, firing, ok in zip(sites, firings, accepted):
-            if not ok:
-                self.stats.dropped_keys.append(site.fired(firing))
+        if not all(accepted):
+            for (site, _), firing, ok in zip(sites, firings, accepted):
+                if not ok:
+                    self.stats.dropped_keys.append(site.fired(firing))
         return sum(accepted)
 
     def gradient_firing(self, output: str, layer: int, vpp: int, tensor: torch.Tensor) -> Firing | None:

@@ -57,6 +57,14 @@ class ParallelCoords:
     ep: int = 0
     etp: int = 0
 
+    def __post_init__(self):
+        """Hash once: every firing looks its sites up by coordinates."""
+        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+
+    def __hash__(self):
+        """The hash computed at construction."""
+        return self._hash
+
 
 @dataclass(frozen=True)
 class RecordKey:

@@ -18,7 +18,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.core.dmi.hooks.groups.base import ModelFacts, Refusal, Shards, publish
 from megatron.core.dmi.key import ParallelCoords
-from megatron.core.dmi.transport import jit
+from megatron.core.dmi.transport import abi, jit
 
 if TYPE_CHECKING:
     from megatron.core.dmi.hooks.install import HookSet
@@ -51,7 +51,8 @@ def take_pre_drop() -> tuple[torch.Tensor, torch.Tensor] | None:
     return sel
 
 
-_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# the kernel's dtype codes, from the one table both sides share
+_KERNEL_DTYPES = {getattr(torch, name): code for name, code in abi.ROUTER_DTYPE.items()}
 
 
 def select(
@@ -103,7 +104,7 @@ def _select_on_device(kernels, probs, routing_map, pre_probs, pre_map, topk: int
         ids.data_ptr(),
         weights.data_ptr(),
         counts.data_ptr(),
-        torch.cuda.current_stream(probs.device).cuda_stream,
+        torch._C._cuda_getCurrentRawStream(probs.device.index),  # no torch.cuda.Stream per firing
     )
     return ids, weights, counts
 
