@@ -29,7 +29,7 @@ from megatron.core.dmi.catalog import (
     record_bytes,
 )
 from megatron.core.dmi.config import CaptureWindowError, DMIConfig
-from megatron.core.dmi.sinks.backend import PASSWORD_ENV
+from megatron.core.dmi.store_address import PASSWORD_ENV
 
 NOT_FLAGS = ("clickhouse_password",)
 FLAG_FIELDS = tuple(f.name for f in fields(DMIConfig) if f.name not in NOT_FLAGS)

@@ -30,9 +30,9 @@ from megatron.core.dmi.key import RecordKey
 from megatron.core.dmi.reader.errors import AmbiguousLayerError, ReconstructionError, StoreError, format_ranges
 from megatron.core.dmi.reader.snapshot import ReaderSnapshot, SnapshotStats, link_spool, link_store
 from megatron.core.dmi.records import TENSOR_SCHEMA, Record
-from megatron.core.dmi.sinks import schema as S
-from megatron.core.dmi.sinks.backend import Backend, ChdbBackend, ServerBackend
-from megatron.core.dmi.sinks.ingest import IngestResult, ingest_spool
+from megatron.core.dmi.store import schema as S
+from megatron.core.dmi.store.backend import Backend, ChdbBackend, ServerBackend
+from megatron.core.dmi.store.ingest import IngestResult, ingest_spool
 
 if TYPE_CHECKING:
     import torch
@@ -193,7 +193,7 @@ def open_store(
 
 
 def _ingest_with_progress(backend: Backend, spool: str, delete: bool, progress: bool) -> IngestResult:
-    from megatron.core.dmi.sinks.spool import list_segments
+    from megatron.core.dmi.store.segments import list_segments
 
     segs = list_segments(spool)
     if not segs:

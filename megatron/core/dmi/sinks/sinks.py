@@ -27,10 +27,7 @@ import pyarrow.compute as pc
 
 from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.records import table_nbytes
-from megatron.core.dmi.sinks import schema as S
-from megatron.core.dmi.sinks.backend import BackendError, ServerBackend
 from megatron.core.dmi.sinks.base import Sink
-from megatron.core.dmi.sinks.ingest import IngesterThread, IngestResult, ingest_spool, load_table
 from megatron.core.dmi.sinks.meta import (
     DMISinkReport,
     RunInfo,
@@ -41,6 +38,9 @@ from megatron.core.dmi.sinks.meta import (
 )
 from megatron.core.dmi.sinks.owner import claim_rank_dir, release_rank_dir
 from megatron.core.dmi.sinks.spool import SpoolWriter
+from megatron.core.dmi.store import schema as S
+from megatron.core.dmi.store.backend import BackendError, ServerBackend
+from megatron.core.dmi.store.ingest import IngesterThread, IngestResult, ingest_spool, load_table
 
 log = logging.getLogger("megatron.core.dmi.sinks")
 
@@ -417,7 +417,7 @@ class EmbeddedSink(SpoolSink):
         of this attempt. Of the rest, what still lies readable in our spool folder is ``spooled``
         (a reader or ``load`` picks it up); anything else (quarantined as corrupt, or a segment
         that vanished) is ``dropped``, with an error saying so."""
-        from megatron.core.dmi.sinks.spool import CorruptSegmentError, list_segments, peek_segment_id, verify_segment
+        from megatron.core.dmi.store.segments import CorruptSegmentError, list_segments, peek_segment_id, verify_segment
 
         mine = (self.run_id, self.attempt, self.coords.rank)
         left_rows = left_bytes = 0

@@ -282,7 +282,7 @@ def open_store_error(store_dir: str, writable: bool = False) -> tuple[str, str]:
 
 
 def set_schema_version(store_dir: str, version: int) -> None:
-    from megatron.core.dmi.sinks import ChdbBackend
+    from megatron.core.dmi.store.backend import ChdbBackend
 
     b = ChdbBackend(os.path.join(store_dir, "chdb"))
     try:
@@ -358,8 +358,8 @@ def ingest_and_count(store_dir: str, spool: str, env: dict | None = None, fault:
     into its segments table (where ingest records a loaded segment) as a full disk would;
     ``stored_then_refused``: the tensors table's inserts store every row, then raise (as chDB did
     on a nearly full disk)."""
-    from megatron.core.dmi.sinks import ChdbBackend
-    from megatron.core.dmi.sinks.ingest import ingest_spool
+    from megatron.core.dmi.store.backend import ChdbBackend
+    from megatron.core.dmi.store.ingest import ingest_spool
 
     full = "Code: 243. DB::Exception: Cannot reserve 1.00 MiB, not enough space (injected)"
 
@@ -395,7 +395,7 @@ def hold_spool_open(store_dir: str, ready: str, release: str) -> dict:
     then it closes. Returns its report and the records its segments hold."""
     from megatron.core.dmi.drain import Drain
     from megatron.core.dmi.sinks import SpoolSink
-    from megatron.core.dmi.sinks.spool import list_segments, segment_rows_bytes
+    from megatron.core.dmi.store.segments import list_segments, segment_rows_bytes
     from megatron.core.dmi.transport.native import NativeRingTransport
 
     ring = NativeRingTransport(4 << 20, "block", "cpu", block_timeout=DMIConfig.block_timeout)

@@ -24,11 +24,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megatron.core.dmi.sinks import raw_segment
-from megatron.core.dmi.sinks import schema as S
-from megatron.core.dmi.sinks.backend import Backend, ChdbBackend, StoreBusyError
-from megatron.core.dmi.sinks.raw_segment import CorruptSegmentError, VerifiedSegment
-from megatron.core.dmi.sinks.spool import Segment, list_segments, peek_segment_id, verify_segment
+from megatron.core.dmi.store import raw_segment
+from megatron.core.dmi.store import schema as S
+from megatron.core.dmi.store.backend import Backend, ChdbBackend, StoreBusyError
+from megatron.core.dmi.store.raw_segment import CorruptSegmentError, VerifiedSegment
+from megatron.core.dmi.store.segments import Segment, list_segments, peek_segment_id, verify_segment
 
 log = logging.getLogger("megatron.core.dmi.sinks")
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 
-from megatron.core.dmi.cli import add_subcommand
+from megatron.core.dmi.cli.common import add_subcommand
 
 PINNED_MEGATRON_CORE = "0.17.1"
 MIN_PYTHON = (3, 12)
@@ -445,7 +445,7 @@ def check_store(path: str, database: str) -> list[Check]:
         out.append(Check("store dir", "ok", f"{path} (mode {mode:04o})"))
     spool = os.path.join(path, "spool")
     if os.path.isdir(spool):
-        from megatron.core.dmi.sinks.spool import list_segments
+        from megatron.core.dmi.store.segments import list_segments
 
         segs = list_segments(spool)
         corrupt = [f for _, _, fs in os.walk(spool) for f in fs if f.endswith(".corrupt")]
@@ -513,13 +513,20 @@ def check_store(path: str, database: str) -> list[Check]:
 
 def check_server(url: str, database: str, password_file: str | None) -> list[Check]:
     """Whether a ClickHouse server at ``url`` is reachable, and DMI's schema and permissions in ``database``."""
-    from megatron.core.dmi.sinks import schema as S
-    from megatron.core.dmi.sinks.backend import ServerBackend, ServerURLError, parse_server_url, resolve_password
+    from megatron.core.dmi.store import schema as S
+    from megatron.core.dmi.store.backend import ServerBackend
+    from megatron.core.dmi.store_address import (
+        IdentifierError,
+        ServerURLError,
+        check_database,
+        parse_server_url,
+        resolve_password,
+    )
 
     try:
         parse_server_url(url)
-        S.check_database(database)
-    except (ServerURLError, S.IdentifierError) as e:
+        check_database(database)
+    except (ServerURLError, IdentifierError) as e:
         return [Check("clickhouse url", "fail", str(e), "use http(s)://[user@]host:port and a plain database name")]
     try:
         password = resolve_password(None, password_file)
