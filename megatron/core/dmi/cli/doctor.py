@@ -514,7 +514,7 @@ def check_store(path: str, database: str) -> list[Check]:
 def check_server(url: str, database: str, password_file: str | None) -> list[Check]:
     """Whether a ClickHouse server at ``url`` is reachable, and DMI's schema and permissions in ``database``."""
     from megatron.core.dmi.store import schema as S
-    from megatron.core.dmi.store.backend import ServerBackend
+    from megatron.core.dmi.store.backend import BackendError, ServerBackend
     from megatron.core.dmi.store_address import (
         IdentifierError,
         ServerURLError,
@@ -544,7 +544,7 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
     try:
         try:
             version = backend.query_arrow("SELECT version() AS v").column("v")[0].as_py()
-        except Exception as e:
+        except BackendError as e:
             return [
                 Check(
                     "clickhouse server",
@@ -566,7 +566,7 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
             )
         except S.SchemaVersionError as e:
             return out + [Check("clickhouse schema", "fail", str(e), "use another --dmi-clickhouse-database")]
-        except Exception as e:
+        except BackendError as e:
             return out + [
                 Check(
                     "clickhouse schema",
@@ -584,7 +584,7 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
             n = backend.query_arrow(f"SELECT count() AS n FROM {probe}").column("n")[0].as_py()
             backend.command(f"DROP TABLE IF EXISTS {probe}")
             out.append(Check("clickhouse permissions", "ok", f"create/insert/select/drop in {database} work ({n} row)"))
-        except Exception as e:
+        except BackendError as e:
             out.append(
                 Check(
                     "clickhouse permissions",

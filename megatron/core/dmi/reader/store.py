@@ -510,8 +510,8 @@ class Store:
         k = recs[0].key
         try:
             topo = self.topology(run_id, k.attempt)
-        except Exception:
-            return None
+        except Exception:  # last resort: these ranks only name suspects in a ReconstructionError's
+            return None  # message; a store that cannot tell them must not replace that error
         if topo.empty:
             return None
         out: dict[int, list[int]] = defaultdict(list)

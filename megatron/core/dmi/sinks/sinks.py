@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from megatron.core.dmi.errors import InvalidArgumentError
 from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.records import table_nbytes
 from megatron.core.dmi.sinks.base import Sink
@@ -138,7 +139,7 @@ class _BufferedSink(DMISink):
         self._drops: list[tuple[RecordKey, str, datetime]] = []
         self._io_lock = threading.Lock()
         if writers < 1:
-            raise ValueError(f"writers must be >= 1, not {writers}")
+            raise InvalidArgumentError(f"writers must be >= 1, not {writers}")
         self.writers = writers
         self._pool = ThreadPoolExecutor(writers, thread_name_prefix="dmi-spool") if writers > 1 else None
         self._slots = threading.BoundedSemaphore(writers)
@@ -556,7 +557,7 @@ class ServerSink(_BufferedSink):
             return True
         except S.SchemaVersionError:
             raise
-        except Exception as e:
+        except (BackendError, OSError) as e:  # the server is unreachable or refuses; the spool replays later
             self._down(e)
             return False
 

@@ -21,6 +21,7 @@ import uuid
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megatron.core.dmi.errors import InvalidArgumentError
 from megatron.core.dmi.store import schema as S
 from megatron.core.dmi.store.segments import (
     META_ID,
@@ -119,7 +120,7 @@ class SpoolWriter:
         ENOSPC) with no partial file left behind. Several threads may write at once (each segment
         gets its own number). ``durable=False`` defers the fsync to the next ``sync()``."""
         if kind not in S.KIND_SCHEMAS:
-            raise ValueError(f"unknown spool kind {kind!r}")
+            raise InvalidArgumentError(f"unknown spool kind {kind!r} (expected one of {sorted(S.KIND_SCHEMAS)})")
         with self._lock:
             self._prepare()
             self._seq += 1

@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from megatron.core.dmi.errors import DMIError
+from megatron.core.dmi.errors import DMIError, InvalidArgumentError
 from megatron.core.dmi.store import schema as S
 from megatron.core.dmi.store_address import check_database, check_identifier, parse_server_url, redact, resolve_password
 
@@ -129,7 +129,9 @@ def _param_elem(v: Any) -> str:
         return repr(v)
     if isinstance(v, (list, tuple)):
         return "[" + ",".join(_param_elem(x) for x in v) + "]"
-    raise TypeError(f"unsupported query parameter value {type(v).__name__}")
+    raise InvalidArgumentError(
+        f"unsupported query parameter value {type(v).__name__} (expected str, bool, int, float or a list of them)"
+    )
 
 
 def chdb_params(params: dict[str, Any] | None) -> dict[str, str] | None:
@@ -188,7 +190,7 @@ class ChdbBackend(Backend):
                     from chdb import session as chs
 
                     sess = chs.Session(self.path)
-                except Exception:
+                except BaseException:  # release the store's lock, then re-raise whatever it was
                     fcntl.flock(lockfd, fcntl.LOCK_UN)
                     os.close(lockfd)
                     raise
@@ -294,7 +296,7 @@ class ServerBackend(Backend):
                 return fn(self._get())
         except BackendError:
             raise
-        except Exception as e:
+        except Exception as e:  # last resort: any client error leaves as BackendError, its text redacted
             self._client = None  # reconnect next time
             raise BackendError(f"ClickHouse {self.description}: {type(e).__name__}: {self.redact(str(e))}") from None
 
@@ -329,6 +331,6 @@ class ServerBackend(Backend):
         if self._client is not None:
             try:
                 self._client.close()
-            except Exception:
-                pass
+            except Exception:  # last resort: the client is dropped either way, and close() runs on error
+                pass  # paths where a second error would hide the first
             self._client = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from megatron.core.dmi.errors import DMIError
+from megatron.core.dmi.errors import DMIError, InvalidArgumentError
 from megatron.core.dmi.records import COORD_COLUMNS, KEY_COLUMNS, TENSOR_SCHEMA
 from megatron.core.dmi.store_address import check_identifier
 
@@ -190,7 +190,7 @@ def _ch_type(name: str, t: pa.DataType) -> str:
         return ints[t]
     if pa.types.is_float64(t):
         return "Float64"
-    raise TypeError(f"no ClickHouse type for {name}: {t}")
+    raise InvalidArgumentError(f"no ClickHouse type for column {name}: {t}")
 
 
 def _columns(schema: pa.Schema) -> str:

@@ -110,7 +110,7 @@ def peek_segment_id(seg: Segment) -> str:
         return raw_segment.segment_id(raw_segment.read_header(seg.path)[0])
     try:
         md = pq.read_schema(seg.path).metadata
-    except Exception as e:
+    except (pa.ArrowException, OSError) as e:  # a damaged or truncated file
         raise CorruptSegmentError(f"{seg.path}: unreadable Parquet footer ({type(e).__name__}: {e})") from None
     return segment_id_of(seg, md)
 
@@ -146,7 +146,7 @@ def segment_rows_bytes(seg: Segment) -> tuple[int, int]:
     else:
         try:
             t = pq.read_table(seg.path, columns=["nbytes"])
-        except Exception as e:
+        except (pa.ArrowException, OSError) as e:  # a damaged or truncated file
             raise CorruptSegmentError(f"{seg.path}: cannot read ({type(e).__name__}: {e})") from None
     return t.num_rows, table_nbytes(t)
 
@@ -158,7 +158,7 @@ def read_segment(seg: Segment) -> pa.Table:
     expected = S.KIND_SCHEMAS[seg.kind]
     try:
         table = pq.read_table(seg.path, page_checksum_verification=True)
-    except Exception as e:
+    except (pa.ArrowException, OSError) as e:  # a damaged or truncated file
         raise CorruptSegmentError(f"{seg.path}: cannot read ({type(e).__name__}: {e})") from None
     md = table.schema.metadata or {}
     if META_ROWS in md and int(md[META_ROWS]) != table.num_rows:
