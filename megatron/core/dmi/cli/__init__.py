@@ -1,8 +1,9 @@
 """``megatron-dmi <command>`` (or ``python -m megatron.core.dmi <command>``): look at what a run
 captured, during the run or after it.
 
-Reading commands open a snapshot of the store (see reader/snapshot.py) and change nothing on disk;
-only ``load`` writes. This module and the reader import pyarrow, pandas and chDB, not torch
+Reading commands open a snapshot of the store (see reader/snapshot.py: written under
+``<store>/.readers/`` and removed on exit) and leave the store's data and spool as they are; only
+``load`` writes the store. This module and the reader import pyarrow, pandas and chDB, not torch
 (only ``tensor`` does) nor megatron-core, so ``megatron-dmi`` starts fast (benchmarks/cli_speed.py;
 megatron_dmi/__init__.py says why ``python -m megatron.core.dmi`` cannot).
 

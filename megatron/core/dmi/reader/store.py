@@ -1,8 +1,12 @@
 """The reader: open a DMI store (embedded chDB directory or ClickHouse URL) and answer questions.
 
 An embedded store is read through a private snapshot (reader/snapshot.py): readers never hold the
-store itself, so they run beside a training run's ingester and never change what is on disk.
-torch is imported only by the methods that return tensors.
+store itself, so they run beside a training run's ingester, and they leave the store's data and
+spool as they found them. What a reader does write: its snapshot under ``<store>/.readers/`` (hard
+links plus the snapshot's own chDB files, into which it loads the spool segments the store lacks;
+removed on close, and a killed reader's by the next reader on its host); on a ClickHouse server,
+the DMI tables (``ensure_schema``) when the database lacks them. ``writable=True`` (``load``) opens
+and writes the store itself. torch is imported only by the methods that return tensors.
 
 Every query sees each (phase, iteration) exactly once, from its latest attempt: attempt ``a``'s
 records for iterations after the checkpoint that a later attempt ``b`` resumed from are
@@ -142,11 +146,13 @@ def open_store(
 
     ``path_or_url``: a store directory (``--dmi-store-dir``: holds ``chdb/`` and ``spool/``) or a
     ClickHouse server URL. A directory is read through a snapshot taken now (see
-    reader/snapshot.py), so this works while a training run writes the store and changes nothing
-    on disk; with ``ingest`` the snapshot also loads the spool's segments that the store does not
+    reader/snapshot.py, written under ``<store>/.readers/`` and removed on close), so this works
+    while a training run writes the store and leaves the store's data and spool as they are; with
+    ``ingest`` the snapshot also loads the spool's segments that the store does not
     hold yet (a live run's latest, a crash's leftovers, ``--dmi-persist spool``): the view shows
     every closed segment. ``writable=True`` opens the store itself instead (to ``load`` into it;
-    chDB lets one process do that: StoreBusyError while a training run's ingester holds it).
+    chDB lets one process do that: StoreBusyError while a training run's ingester holds it). A
+    server URL is read in place; its database gets the DMI tables if it lacks them.
     """
     if _URL_RE.match(path_or_url):
         backend: Backend = ServerBackend(path_or_url, database, password)
