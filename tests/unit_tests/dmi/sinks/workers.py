@@ -16,6 +16,9 @@ from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.records import Record, dtype_name, tensor_to_payload
 from megatron.core.dmi.sinks import RunInfo, open_sink
 
+# How long the two writers of the store-owner test wait for each other: a guard against a hang,
+# long enough that a loaded machine (a JIT build of the ring taking minutes) never cuts it short.
+HANDSHAKE_S = 600
 RUN = "run-a"
 
 
@@ -404,7 +407,7 @@ def hold_spool_open(store_dir: str, ready: str, release: str) -> dict:
     records = moe_records()
     for r in records:
         assert ring.publish(r.key, r.tensor())
-    deadline = time.time() + 30
+    deadline = time.time() + HANDSHAKE_S
     while ring.spool_stats()["open_rows"] < len(records) and time.time() < deadline:
         time.sleep(0.01)
     open(ready, "w").close()
@@ -423,7 +426,7 @@ def start_second_writer(store_dir: str, ready: str, release: str) -> str:
     from megatron.core.dmi.sinks import SpoolSink
     from megatron.core.dmi.sinks.owner import StoreInUseError
 
-    deadline = time.time() + 30
+    deadline = time.time() + HANDSHAKE_S
     while not os.path.exists(ready) and time.time() < deadline:
         time.sleep(0.01)
     try:
