@@ -43,7 +43,7 @@ from results_json import write_json  # benchmarks/ is the script directory
 
 HOLDER = r"""
 import sys, time
-from megatron.core.dmi.sinks.backend import ChdbBackend
+from megatron.core.dmi.store.backend import ChdbBackend
 b = ChdbBackend(sys.argv[1])
 b.command("CREATE TABLE IF NOT EXISTS dmi.bench_ticks (x UInt64) ENGINE = MergeTree ORDER BY x")
 print("holding", flush=True)

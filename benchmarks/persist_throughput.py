@@ -38,9 +38,9 @@ from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.records import Record, records_to_table, table_nbytes
 from megatron.core.dmi.sinks import SpoolSink
-from megatron.core.dmi.sinks.backend import ChdbBackend
-from megatron.core.dmi.sinks.ingest import ingest_spool, load_table, rows_missing
-from megatron.core.dmi.sinks.spool import list_segments, read_segment
+from megatron.core.dmi.store.backend import ChdbBackend
+from megatron.core.dmi.store.ingest import ingest_spool, load_table, rows_missing
+from megatron.core.dmi.store.segments import list_segments, read_segment
 
 
 def make_records(record_bytes: int, n: int, iteration: int, pool: list[bytes]) -> list[Record]:

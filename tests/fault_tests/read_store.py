@@ -79,7 +79,7 @@ def read(store_dir: str, extra_tables: list[str]) -> dict:
 
 
 def count(store_dir: str, table: str = "tensors") -> dict:
-    from megatron.core.dmi.sinks import ChdbBackend
+    from megatron.core.dmi.store.backend import ChdbBackend
 
     b = ChdbBackend(os.path.join(store_dir, "chdb"))
     try:

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from megatron.core.dmi.sinks.spool import list_segments, segment_rows_bytes, verify_segment
+from megatron.core.dmi.store.segments import list_segments, segment_rows_bytes, verify_segment
 from tests.fault_tests.tmpfs import small_tmpfs
 from tests.functional_tests.launch import REPO, tiny_moe_args
 

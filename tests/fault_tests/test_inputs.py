@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron.core.dmi.sinks import schema as S
+from megatron.core.dmi.store import schema as S
+from megatron.core.dmi.store_address import IdentifierError, check_identifier
 from megatron.training.dmi.arguments import add_dmi_args, config_from_args
 from tests.functional_tests.launch import REPO, tiny_moe_args
 
@@ -96,15 +97,15 @@ def test_fuzzed_dmi_values_parse_or_fail_cleanly(pairs):
     except SystemExit as e:
         assert str(e.code).startswith("error: argument --dmi-")
         return
-    S.check_identifier(cfg.clickhouse_database)
+    check_identifier(cfg.clickhouse_database)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.text(min_size=1, max_size=80))
 def test_identifiers_are_plain_or_rejected(name):
     try:
-        S.check_identifier(name, "database name")
-    except S.IdentifierError:
+        check_identifier(name, "database name")
+    except IdentifierError:
         return
     assert name.isascii() and all(c.isalnum() or c == "_" for c in name) and not name[0].isdigit()
 
@@ -128,13 +129,13 @@ def test_hostile_database_names_are_rejected_everywhere(name, tmp_path):
     with pytest.raises(SystemExit):
         with contextlib.redirect_stderr(io.StringIO()):
             _parser().parse_args(["--dmi-clickhouse-database", name])
-    with pytest.raises(S.IdentifierError):
+    with pytest.raises(IdentifierError):
         S.qualified(name, "tensors")
-    with pytest.raises(S.IdentifierError):
+    with pytest.raises(IdentifierError):
         S.qualified("dmi", name)
-    from megatron.core.dmi.sinks.backend import ServerBackend
+    from megatron.core.dmi.store.backend import ServerBackend
 
-    with pytest.raises(S.IdentifierError):
+    with pytest.raises(IdentifierError):
         ServerBackend("http://127.0.0.1:1", name)
 
 
@@ -185,9 +186,9 @@ def _parse_error(argv):
 def test_reserved_databases_are_refused_by_the_flag_the_backends_and_the_cli(name, tmp_path):
     msg = _parse_error(["--dmi-clickhouse-database", name])
     assert f"error: argument --dmi-clickhouse-database: database name {name!r} is reserved by ClickHouse" in msg, msg
-    from megatron.core.dmi.sinks.backend import ServerBackend
+    from megatron.core.dmi.store.backend import ServerBackend
 
-    with pytest.raises(S.IdentifierError, match="reserved"):
+    with pytest.raises(IdentifierError, match="reserved"):
         ServerBackend("http://127.0.0.1:1", name)
     os.makedirs(tmp_path / "store")
     for argv in (["show", str(tmp_path / "store")], ["load", str(tmp_path), "--store", str(tmp_path / "store")]):

@@ -1,4 +1,4 @@
-"""``python -m megatron.core.dmi``: the DMI command line (see megatron/core/dmi/cli.py)."""
+"""``python -m megatron.core.dmi``: the DMI command line (see megatron/core/dmi/cli/)."""
 
 import sys
 

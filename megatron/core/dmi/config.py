@@ -23,9 +23,7 @@ import torch
 from megatron.core.dmi.catalog import parse_hooks
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.key import PHASES
-from megatron.core.dmi.sinks.backend import PASSWORD_ENV, ServerURLError, parse_server_url, redact
-from megatron.core.dmi.sinks.schema import check_database
-from megatron.core.dmi.transport.abi import SLOT_ALIGN
+from megatron.core.dmi.store_address import PASSWORD_ENV, ServerURLError, check_database, parse_server_url, redact
 
 
 class ConfigValueError(DMIError, ValueError):
@@ -66,6 +64,11 @@ def _number(value: str | float, expected: str) -> float:
     raise ConfigValueError(f"expected {expected}, got {value!r}")
 
 
+# The smallest ring accepted: one slot of the native ring (its ``transport.abi.SLOT_ALIGN``; a test
+# checks they agree). The ring itself rounds the size down to whole slots.
+MIN_RING_BYTES = 256
+
+
 def ring_size_mb(value: str | float) -> float:
     """The size of a transport's ring.
 
@@ -73,14 +76,14 @@ def ring_size_mb(value: str | float) -> float:
         value: MiB, as the flag's text or a number.
 
     Returns:
-        The size in MiB: finite, and at least one ``SLOT_ALIGN`` slot.
+        The size in MiB: finite, and at least ``MIN_RING_BYTES`` (one slot).
 
     Raises:
         ConfigValueError: not a number, or not a size a ring can have.
     """
     mb = _number(value, "a size in MiB")
-    if not (math.isfinite(mb) and mb * (1 << 20) >= SLOT_ALIGN):
-        raise ConfigValueError(f"ring size must hold at least one {SLOT_ALIGN}-byte slot, got {value!r} MiB")
+    if not (math.isfinite(mb) and mb * (1 << 20) >= MIN_RING_BYTES):
+        raise ConfigValueError(f"ring size must hold at least one {MIN_RING_BYTES}-byte slot, got {value!r} MiB")
     return mb
 
 

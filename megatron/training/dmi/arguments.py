@@ -24,7 +24,7 @@ from megatron.core.dmi.catalog import ModelShape, UnsupportedUnderGraphsError, c
 from megatron.core.dmi.config import CaptureWindowError, DMIConfig
 from megatron.core.dmi.hooks import groups
 from megatron.core.dmi.hooks.groups.base import ModelFacts
-from megatron.core.dmi.sinks.backend import PASSWORD_ENV
+from megatron.core.dmi.store_address import PASSWORD_ENV
 
 NOT_FLAGS = ("clickhouse_password",)
 FLAG_FIELDS = tuple(f.name for f in fields(DMIConfig) if f.name not in NOT_FLAGS)

@@ -21,6 +21,7 @@ from megatron.core.dmi import upstream_patches
 from megatron.core.dmi.config import DMIConfig, ring_memory_problem
 from megatron.core.dmi.cpu_mode import compute_device
 from megatron.core.dmi.session import DMISession
+from megatron.core.dmi.sinks.owner import StoreInUseError
 from megatron.training import get_args, print_rank_0
 from megatron.training.dmi.arguments import config_from_args
 from megatron.training.dmi.scalars import RouterScalars
@@ -57,7 +58,8 @@ class DMIRuntime:
 
     def __init__(self, config: DMIConfig):
         """Start this process's DMI session from ``config`` and hook into Megatron's checkpoint saves and training
-        log; ends the process (SystemExit) when host or device memory cannot hold the ring."""
+        log; ends the process (SystemExit) when host or device memory cannot hold the ring or
+        another run writes the store."""
         args = get_args()
         self.config = config
         self.args = args
@@ -65,19 +67,22 @@ class DMIRuntime:
         why = ring_memory_problem(config.ring_mb)  # again now that CUDA is initialised: the device's free memory
         if why:
             raise SystemExit(f"error: argument --dmi-ring-mb: {why}")
-        self.session = DMISession(
-            config,
-            resumed_run_id=self._resumed_run_id(resumed_from),
-            resumed_from_iteration=resumed_from,
-            device=compute_device(),
-            cuda_graphs=getattr(args, "cuda_graph_impl", "none") != "none",
-            run_facts={
-                "seq_length": getattr(args, "seq_length", None),
-                "vocab_size": getattr(args, "padded_vocab_size", None),
-                "micro_batch_size": getattr(args, "micro_batch_size", None),
-                "global_batch_size": getattr(args, "global_batch_size", None),
-            },
-        )
+        try:
+            self.session = DMISession(
+                config,
+                resumed_run_id=self._resumed_run_id(resumed_from),
+                resumed_from_iteration=resumed_from,
+                device=compute_device(),
+                cuda_graphs=getattr(args, "cuda_graph_impl", "none") != "none",
+                run_facts={
+                    "seq_length": getattr(args, "seq_length", None),
+                    "vocab_size": getattr(args, "padded_vocab_size", None),
+                    "micro_batch_size": getattr(args, "micro_batch_size", None),
+                    "global_batch_size": getattr(args, "global_batch_size", None),
+                },
+            )
+        except StoreInUseError as exc:  # a second run on this store: one line, no traceback
+            raise SystemExit(f"error: {exc}") from None
         self.run_id, self.attempt = self.session.run_id, self.session.attempt
         self.scalars = self._router_scalars() if scalars_wanted(args, config.hooks) else None
         self._patch_training_loop()

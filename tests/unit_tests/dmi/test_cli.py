@@ -96,9 +96,9 @@ def test_subcommand_registry():
     try:
         assert cli.main(["test-extra", "--x", "5"]) == 0 and seen == [5]
     finally:
-        cli._COMMANDS.pop("test-extra")
+        cli.COMMANDS.pop("test-extra")
     for name in ("show", "runs", "describe", "tensor", "expert-load", "drops", "load", "export"):
-        assert name in cli._COMMANDS
+        assert name in cli.COMMANDS
 
 
 # -- the newcomer's bug list (issue 20) ---------------------------------------------------------

@@ -183,7 +183,7 @@ def test_a_misspelled_hook_gets_the_nearest_name():
 def test_doctor_suggests_no_cuda_build_without_a_gpu():
     import torch
 
-    from megatron.core.dmi import doctor
+    from megatron.core.dmi.cli import doctor
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible here")
@@ -193,7 +193,7 @@ def test_doctor_suggests_no_cuda_build_without_a_gpu():
 
 def _kill_attempt_one(store_dir: str) -> None:
     """Attempt 1 killed: its records and run row are in, its ranks' end-of-run reports never came."""
-    from megatron.core.dmi.sinks import ChdbBackend
+    from megatron.core.dmi.store.backend import ChdbBackend
 
     W.write_embedded(store_dir, W.moe_records(iterations=range(1, 4), attempt=1), [W.run_info(attempt=1)])
     b = ChdbBackend(os.path.join(store_dir, "chdb"))
@@ -259,7 +259,7 @@ def test_doctor_prints_no_torch_cuda_notice():
 
 def _store_without_views(store_dir: str) -> None:
     """A schema-version-2 store written before the ``*_latest`` views existed."""
-    from megatron.core.dmi.sinks import ChdbBackend
+    from megatron.core.dmi.store.backend import ChdbBackend
 
     W.write_embedded(store_dir, W.moe_records(iterations=range(1, 3)), [W.run_info()])
     b = ChdbBackend(os.path.join(store_dir, "chdb"))

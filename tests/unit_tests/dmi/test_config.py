@@ -3,10 +3,15 @@ import inspect
 import pytest
 
 from megatron.core.dmi.catalog import parse_hooks
-from megatron.core.dmi.config import CaptureWindowError, DMIConfig, LayerRangeError, parse_layers
+from megatron.core.dmi.config import MIN_RING_BYTES, CaptureWindowError, DMIConfig, LayerRangeError, parse_layers
 from megatron.core.dmi.drain import Drain
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.transport.abi import SLOT_ALIGN
+
+
+def test_the_smallest_ring_is_one_native_slot():
+    """config keeps its own minimum (it does not import the ring's ABI): it must stay one slot."""
+    assert MIN_RING_BYTES == SLOT_ALIGN
 
 
 def test_layer_ranges():

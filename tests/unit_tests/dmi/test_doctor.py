@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from megatron.core.dmi import catalog, doctor
+from megatron.core.dmi import catalog
+from megatron.core.dmi.cli import doctor
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 

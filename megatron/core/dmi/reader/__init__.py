@@ -22,8 +22,8 @@ _MODULE_OF = {
     "NotAStoreError": "errors",
     "ReconstructionError": "errors",
     "AmbiguousLayerError": "errors",
-    "StoreBusyError": "megatron.core.dmi.sinks.backend",
-    "SchemaVersionError": "megatron.core.dmi.sinks.schema",
+    "StoreBusyError": "megatron.core.dmi.store.backend",
+    "SchemaVersionError": "megatron.core.dmi.store.schema",
 }
 
 

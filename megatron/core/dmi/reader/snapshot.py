@@ -138,7 +138,7 @@ def link_store(src: str, dst: str, stats: SnapshotStats | None = None) -> Snapsh
 
 def link_spool(spool_root: str, dst: str, stats: SnapshotStats | None = None) -> SnapshotStats:
     """Hard-link every complete spool segment under ``spool_root`` into ``dst`` (same rank folders)."""
-    from megatron.core.dmi.sinks.spool import list_segments
+    from megatron.core.dmi.store.segments import list_segments
 
     stats = stats or SnapshotStats()
     t0 = time.monotonic()

@@ -1,9 +1,12 @@
 """The reader: open a DMI store (embedded chDB directory or ClickHouse URL) and answer questions.
 
 An embedded store is read through a private snapshot (reader/snapshot.py): readers never hold the
-store itself, so they run beside a training run's ingester and never change the store (the snapshot is a
-folder of hard links under ``<store>/.readers/``, removed when the reader closes).
-torch is imported only by the methods that return tensors.
+store itself, so they run beside a training run's ingester, and they leave the store's data and
+spool as they found them. What a reader does write: its snapshot under ``<store>/.readers/`` (hard
+links plus the snapshot's own chDB files, into which it loads the spool segments the store lacks;
+removed on close, and a killed reader's by the next reader on its host); on a ClickHouse server,
+the DMI tables (``ensure_schema``) when the database lacks them. ``writable=True`` (``load``) opens
+and writes the store itself. torch is imported only by the methods that return tensors.
 
 Every query sees each (phase, iteration) exactly once, from its latest attempt: attempt ``a``'s
 records for iterations after the checkpoint that a later attempt ``b`` resumed from are
@@ -37,9 +40,9 @@ from megatron.core.dmi.reader.errors import (
 )
 from megatron.core.dmi.reader.snapshot import ReaderSnapshot, SnapshotStats, link_spool, link_store
 from megatron.core.dmi.records import TENSOR_SCHEMA, Record
-from megatron.core.dmi.sinks import schema as S
-from megatron.core.dmi.sinks.backend import Backend, ChdbBackend, ServerBackend
-from megatron.core.dmi.sinks.ingest import IngestResult, ingest_spool
+from megatron.core.dmi.store import schema as S
+from megatron.core.dmi.store.backend import Backend, ChdbBackend, ServerBackend
+from megatron.core.dmi.store.ingest import IngestResult, ingest_spool
 
 if TYPE_CHECKING:
     import torch
@@ -197,13 +200,14 @@ def open_store(
 
     ``path_or_url``: a store directory (``--dmi-store-dir``: holds ``chdb/`` and ``spool/``) or a
     ClickHouse server URL. A directory is read through a snapshot taken now (see
-    reader/snapshot.py), so this works while a training run writes the store and changes nothing
-    in it (the snapshot folder under ``.readers/`` is removed at ``close``); with ``ingest`` the
-    snapshot also loads the spool's segments that the store does not hold yet (a live run's latest,
-    a crash's leftovers, ``--dmi-persist spool``): the view shows every closed segment.
-    ``writable=True`` opens the store itself instead (to ``load`` into it; chDB lets one process do
-    that: StoreBusyError while a training run's ingester holds it). A path that is no store raises
-    NotAStoreError (``check_store_dir``) before anything is created.
+    reader/snapshot.py, written under ``<store>/.readers/`` and removed on close), so this works
+    while a training run writes the store and leaves the store's data and spool as they are; with
+    ``ingest`` the snapshot also loads the spool's segments that the store does not
+    hold yet (a live run's latest, a crash's leftovers, ``--dmi-persist spool``): the view shows
+    every closed segment. ``writable=True`` opens the store itself instead (to ``load`` into it;
+    chDB lets one process do that: StoreBusyError while a training run's ingester holds it). A
+    server URL is read in place; its database gets the DMI tables if it lacks them. A path that is
+    no store raises NotAStoreError (``check_store_dir``) before anything is created.
     """
     if _URL_RE.match(path_or_url):
         backend: Backend = ServerBackend(path_or_url, database, password)
@@ -252,7 +256,7 @@ def open_store(
 
 
 def _ingest_with_progress(backend: Backend, spool: str, delete: bool, progress: bool) -> IngestResult:
-    from megatron.core.dmi.sinks.spool import list_segments
+    from megatron.core.dmi.store.segments import list_segments
 
     segs = list_segments(spool)
     if not segs:
@@ -609,8 +613,8 @@ class Store:
         k = recs[0].key
         try:
             topo = self.topology(run_id, k.attempt)
-        except Exception:
-            return None
+        except Exception:  # last resort: these ranks only name suspects in a ReconstructionError's
+            return None  # message; a store that cannot tell them must not replace that error
         if topo.empty:
             return None
         out: dict[int, list[int]] = defaultdict(list)

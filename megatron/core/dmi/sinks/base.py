@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from megatron.core.dmi.errors import UnsupportedOperationError
 from megatron.core.dmi.records import Record, records_to_table
 
 
@@ -59,7 +60,7 @@ class Sink(ABC):
         """The native writer's counters (records, bytes, dropped_records, dropped_bytes, open_rows,
         errors) and the segments it closed since the last call; the last call carries the final
         counters, before ``close``."""
-        raise NotImplementedError(f"{type(self).__name__} does not take native spool segments")
+        raise UnsupportedOperationError(f"{type(self).__name__} does not take native spool segments")
 
     @abstractmethod
     def close(self) -> SinkReport:

@@ -15,8 +15,8 @@ import pyarrow as pa
 
 from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.provenance import package_versions, scrub_command_line
-from megatron.core.dmi.sinks import schema as S
 from megatron.core.dmi.sinks.base import SinkReport
+from megatron.core.dmi.store import schema as S
 
 
 @dataclass

@@ -11,11 +11,13 @@ import socket
 import threading
 import time
 
+from megatron.core.dmi.errors import DMIError
 
-class StoreInUseError(SystemExit):
+
+class StoreInUseError(DMIError, RuntimeError):
     """Another live process writes this rank's spool folder (a second run on the same
-    ``--dmi-store-dir``). A SystemExit, so the run stops at start-up with this one line and no
-    traceback, before it writes anything."""
+    ``--dmi-store-dir``). Raised at start-up, before anything is written; the training entry turns
+    it into a one-line exit without a traceback."""
 
 
 _owned: dict[str, list] = {}  # rank folder -> [lock fd, users] held by this process
@@ -42,7 +44,7 @@ def claim_rank_dir(folder: str, run_id: str) -> None:
             os.close(fd)
             store = os.path.dirname(os.path.dirname(folder))
             raise StoreInUseError(
-                f"error: --dmi-store-dir {store} is in use by another DMI run ({holder}); two runs cannot share "
+                f"--dmi-store-dir {store} is in use by another DMI run ({holder}); two runs cannot share "
                 f"a store directory: give this run its own --dmi-store-dir, or wait for that run to end"
             ) from None
         os.ftruncate(fd, 0)

@@ -25,12 +25,10 @@ from datetime import UTC, datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from megatron.core.dmi.errors import InvalidArgumentError
 from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.records import table_nbytes
-from megatron.core.dmi.sinks import schema as S
-from megatron.core.dmi.sinks.backend import BackendError, ServerBackend
 from megatron.core.dmi.sinks.base import Sink
-from megatron.core.dmi.sinks.ingest import IngesterThread, IngestResult, ingest_spool, load_table
 from megatron.core.dmi.sinks.meta import (
     DMISinkReport,
     RunInfo,
@@ -41,6 +39,9 @@ from megatron.core.dmi.sinks.meta import (
 )
 from megatron.core.dmi.sinks.owner import claim_rank_dir, release_rank_dir
 from megatron.core.dmi.sinks.spool import SpoolWriter
+from megatron.core.dmi.store import schema as S
+from megatron.core.dmi.store.backend import BackendError, ServerBackend
+from megatron.core.dmi.store.ingest import IngesterThread, IngestResult, ingest_spool, load_table
 
 log = logging.getLogger("megatron.core.dmi.sinks")
 
@@ -138,7 +139,7 @@ class _BufferedSink(DMISink):
         self._drops: list[tuple[RecordKey, str, datetime]] = []
         self._io_lock = threading.Lock()
         if writers < 1:
-            raise ValueError(f"writers must be >= 1, not {writers}")
+            raise InvalidArgumentError(f"writers must be >= 1, not {writers}")
         self.writers = writers
         self._pool = ThreadPoolExecutor(writers, thread_name_prefix="dmi-spool") if writers > 1 else None
         self._slots = threading.BoundedSemaphore(writers)
@@ -417,7 +418,7 @@ class EmbeddedSink(SpoolSink):
         of this attempt. Of the rest, what still lies readable in our spool folder is ``spooled``
         (a reader or ``load`` picks it up); anything else (quarantined as corrupt, or a segment
         that vanished) is ``dropped``, with an error saying so."""
-        from megatron.core.dmi.sinks.spool import CorruptSegmentError, list_segments, peek_segment_id, verify_segment
+        from megatron.core.dmi.store.segments import CorruptSegmentError, list_segments, peek_segment_id, verify_segment
 
         mine = (self.run_id, self.attempt, self.coords.rank)
         left_rows = left_bytes = 0
@@ -556,7 +557,7 @@ class ServerSink(_BufferedSink):
             return True
         except S.SchemaVersionError:
             raise
-        except Exception as e:
+        except (BackendError, OSError) as e:  # the server is unreachable or refuses; the spool replays later
             self._down(e)
             return False
 

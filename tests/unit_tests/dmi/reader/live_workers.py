@@ -14,7 +14,7 @@ def _wait_for(path: str, timeout: float = 300) -> None:
 
 def hold_ingester(store_dir: str, ready: str, stop: str) -> dict:
     """A training run's ingester: owns the store, loads the spool every 0.2 s until ``stop`` exists."""
-    from megatron.core.dmi.sinks.ingest import IngesterThread
+    from megatron.core.dmi.store.ingest import IngesterThread
 
     ing = IngesterThread(store_dir, poll_s=0.2).start()
     with open(ready, "w") as f:
@@ -45,7 +45,7 @@ def records_seen(store_dir: str) -> int:
 
 def ingest_all(store_dir: str) -> dict:
     """What a training run's ingester does at start and at the end."""
-    from megatron.core.dmi.sinks.ingest import IngesterThread
+    from megatron.core.dmi.store.ingest import IngesterThread
 
     ing = IngesterThread(store_dir).start()
     ing.final_ingest()

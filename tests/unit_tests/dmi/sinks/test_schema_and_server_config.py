@@ -4,16 +4,17 @@ import pytest
 
 from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.key import ParallelCoords
-from megatron.core.dmi.sinks import (
+from megatron.core.dmi.sinks import open_sink
+from megatron.core.dmi.store import schema as S
+from megatron.core.dmi.store.backend import ServerBackend, chdb_params
+from megatron.core.dmi.store_address import (
     IdentifierError,
     ServerURLError,
     check_identifier,
-    open_sink,
     parse_server_url,
+    redact,
     resolve_password,
 )
-from megatron.core.dmi.sinks import schema as S
-from megatron.core.dmi.sinks.backend import ServerBackend, chdb_params, redact
 
 HOSTILE = ["dmi; DROP TABLE x", "a.b", "`dmi`", "dmi'--", "", "1abc", "dmi ", "dmі", "x" * 64, "a\nb", "a/b", None]
 

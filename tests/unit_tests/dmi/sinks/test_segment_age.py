@@ -5,7 +5,7 @@ import time
 
 from megatron.core.dmi.key import ParallelCoords
 from megatron.core.dmi.sinks import SpoolSink
-from megatron.core.dmi.sinks.spool import list_segments, read_segment
+from megatron.core.dmi.store.segments import list_segments, read_segment
 from tests.unit_tests.dmi.sinks import workers as W
 
 

@@ -22,7 +22,7 @@ from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.drain import Drain
 from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.sinks import SpoolSink
-from megatron.core.dmi.sinks.spool import list_segments, read_segment, verify_segment
+from megatron.core.dmi.store.segments import list_segments, read_segment, verify_segment
 from megatron.core.dmi.transport.native import NativeRingTransport
 from tests.unit_tests.dmi.isolated import run_isolated
 from tests.unit_tests.dmi.sinks import workers as W

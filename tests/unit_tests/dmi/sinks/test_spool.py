@@ -10,7 +10,8 @@ from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.key import ParallelCoords
 from megatron.core.dmi.records import records_to_table
 from megatron.core.dmi.sinks import NullSink, SpoolSink, open_sink
-from megatron.core.dmi.sinks.spool import CorruptSegmentError, SpoolWriter, list_segments, read_segment
+from megatron.core.dmi.sinks.spool import SpoolWriter
+from megatron.core.dmi.store.segments import CorruptSegmentError, list_segments, read_segment
 from tests.unit_tests.dmi.sinks.workers import dtype_records, moe_records, run_info
 from tests.unit_tests.dmi.tables import table_to_records
 
@@ -22,7 +23,7 @@ def test_segment_roundtrip_bitwise_and_layout(tmp_path):
     assert path.endswith(os.path.join("spool", "rank-00003", "00000001.parquet"))
     w.write(
         "runs",
-        pa.Table.from_pylist([], schema=__import__("megatron.core.dmi.sinks.schema", fromlist=["x"]).RUNS_SCHEMA),
+        pa.Table.from_pylist([], schema=__import__("megatron.core.dmi.store.schema", fromlist=["x"]).RUNS_SCHEMA),
     )
     assert sorted(os.listdir(tmp_path / "spool" / "rank-00003")) == ["00000001.parquet", "runs-00000002.parquet"]
     segs = list_segments(str(tmp_path / "spool"))

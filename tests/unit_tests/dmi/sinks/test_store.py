@@ -6,7 +6,7 @@ import os
 import shutil
 import socket
 
-from megatron.core.dmi.sinks import SCHEMA_VERSION
+from megatron.core.dmi.store.schema import SCHEMA_VERSION
 from tests.unit_tests.dmi.isolated import run_isolated, run_parallel
 from tests.unit_tests.dmi.sinks import workers as W
 
@@ -153,7 +153,7 @@ def test_reingest_collapses_duplicates(tmp_path):
 
 
 def test_store_busy_error(tmp_path):
-    from megatron.core.dmi.sinks.backend import ChdbBackend, StoreBusyError
+    from megatron.core.dmi.store.backend import ChdbBackend, StoreBusyError
 
     run_isolated(W.write_embedded, str(tmp_path), W.dtype_records()[:1])
     import fcntl

@@ -11,7 +11,7 @@ import pytest
 
 from megatron.core.dmi.key import ParallelCoords
 from megatron.core.dmi.sinks import SpoolSink
-from megatron.core.dmi.sinks.spool import list_segments
+from megatron.core.dmi.store.segments import list_segments
 from tests.fault_tests.tmpfs import fill, small_tmpfs
 from tests.unit_tests.dmi.isolated import run_isolated
 from tests.unit_tests.dmi.sinks import workers as W

@@ -13,7 +13,7 @@ def test_a_second_run_on_a_live_store_is_refused_and_the_first_keeps_everything(
         [(W.hold_spool_open, (store, ready, release)), (W.start_second_writer, (store, ready, release))]
     )
     # before: the second writer deleted the first one's open segment (reported as a rename failure)
-    assert second.startswith(f"error: --dmi-store-dir {store} is in use by another DMI run (pid "), second
+    assert second.startswith(f"--dmi-store-dir {store} is in use by another DMI run (pid "), second
     assert f"run {W.RUN}" in second and "give this run its own --dmi-store-dir" in second
     assert first["report"]["errors"] == [] and first["report"]["records_dropped"] == 0
     assert first["held"] == first["report"]["records_written"] == first["published"]

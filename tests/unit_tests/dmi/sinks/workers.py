@@ -16,6 +16,9 @@ from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.records import Record, dtype_name, tensor_to_payload
 from megatron.core.dmi.sinks import RunInfo, open_sink
 
+# How long the two writers of the store-owner test wait for each other: a guard against a hang,
+# long enough that a loaded machine (a JIT build of the ring taking minutes) never cuts it short.
+HANDSHAKE_S = 600
 RUN = "run-a"
 
 
@@ -282,7 +285,7 @@ def open_store_error(store_dir: str, writable: bool = False) -> tuple[str, str]:
 
 
 def set_schema_version(store_dir: str, version: int) -> None:
-    from megatron.core.dmi.sinks import ChdbBackend
+    from megatron.core.dmi.store.backend import ChdbBackend
 
     b = ChdbBackend(os.path.join(store_dir, "chdb"))
     try:
@@ -358,8 +361,8 @@ def ingest_and_count(store_dir: str, spool: str, env: dict | None = None, fault:
     into its segments table (where ingest records a loaded segment) as a full disk would;
     ``stored_then_refused``: the tensors table's inserts store every row, then raise (as chDB did
     on a nearly full disk)."""
-    from megatron.core.dmi.sinks import ChdbBackend
-    from megatron.core.dmi.sinks.ingest import ingest_spool
+    from megatron.core.dmi.store.backend import ChdbBackend
+    from megatron.core.dmi.store.ingest import ingest_spool
 
     full = "Code: 243. DB::Exception: Cannot reserve 1.00 MiB, not enough space (injected)"
 
@@ -395,7 +398,7 @@ def hold_spool_open(store_dir: str, ready: str, release: str) -> dict:
     then it closes. Returns its report and the records its segments hold."""
     from megatron.core.dmi.drain import Drain
     from megatron.core.dmi.sinks import SpoolSink
-    from megatron.core.dmi.sinks.spool import list_segments, segment_rows_bytes
+    from megatron.core.dmi.store.segments import list_segments, segment_rows_bytes
     from megatron.core.dmi.transport.native import NativeRingTransport
 
     ring = NativeRingTransport(4 << 20, "block", "cpu", block_timeout=DMIConfig.block_timeout)
@@ -404,7 +407,7 @@ def hold_spool_open(store_dir: str, ready: str, release: str) -> dict:
     records = moe_records()
     for r in records:
         assert ring.publish(r.key, r.tensor())
-    deadline = time.time() + 30
+    deadline = time.time() + HANDSHAKE_S
     while ring.spool_stats()["open_rows"] < len(records) and time.time() < deadline:
         time.sleep(0.01)
     open(ready, "w").close()
@@ -423,7 +426,7 @@ def start_second_writer(store_dir: str, ready: str, release: str) -> str:
     from megatron.core.dmi.sinks import SpoolSink
     from megatron.core.dmi.sinks.owner import StoreInUseError
 
-    deadline = time.time() + 30
+    deadline = time.time() + HANDSHAKE_S
     while not os.path.exists(ready) and time.time() < deadline:
         time.sleep(0.01)
     try:

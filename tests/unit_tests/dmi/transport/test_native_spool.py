@@ -17,7 +17,7 @@ from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.drain import Drain
 from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.sinks import SpoolSink
-from megatron.core.dmi.sinks.spool import CorruptSegmentError, list_segments, read_segment, segment_rows_bytes
+from megatron.core.dmi.store.segments import CorruptSegmentError, list_segments, read_segment, segment_rows_bytes
 from megatron.core.dmi.transport.native import NativeRingTransport
 
 

@@ -10,47 +10,18 @@ with an error naming both versions.
 
 from __future__ import annotations
 
-import re
-
 import pyarrow as pa
 
-from megatron.core.dmi.errors import DMIError
+from megatron.core.dmi.errors import DMIError, InvalidArgumentError
 from megatron.core.dmi.records import COORD_COLUMNS, KEY_COLUMNS, TENSOR_SCHEMA
+from megatron.core.dmi.store_address import check_identifier
 
 SCHEMA_VERSION = 2
 DEFAULT_DATABASE = "dmi"
 
-_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
-
 
 class SchemaVersionError(DMIError, RuntimeError):
     """The store was written with another DMI schema version."""
-
-
-class IdentifierError(DMIError, ValueError):
-    """A database or table name that is not a plain identifier."""
-
-
-def check_identifier(name: str, what: str = "identifier") -> str:
-    """Accept only ``[A-Za-z_][A-Za-z0-9_]{0,62}``: identifiers are spliced into SQL text, so
-    nothing else (quotes, dots, spaces, backticks, unicode look-alikes) may pass."""
-    if not isinstance(name, str) or not _IDENT_RE.fullmatch(name):
-        raise IdentifierError(
-            f"invalid {what} {name!r}: use letters, digits and '_' (not starting with a digit), at most 63 characters"
-        )
-    return name
-
-
-# ClickHouse's own databases: DMI's tables there would be unreachable or clash with the server's.
-RESERVED_DATABASES = frozenset({"system", "information_schema"})
-
-
-def check_database(name: str, what: str = "database name") -> str:
-    """A plain identifier that is not one of ClickHouse's reserved databases (in any case)."""
-    check_identifier(name, what)
-    if name.lower() in RESERVED_DATABASES:
-        raise IdentifierError(f"{what} {name!r} is reserved by ClickHouse; use your own database (default: dmi)")
-    return name
 
 
 def qualified(database: str, table: str) -> str:
@@ -219,7 +190,7 @@ def _ch_type(name: str, t: pa.DataType) -> str:
         return ints[t]
     if pa.types.is_float64(t):
         return "Float64"
-    raise TypeError(f"no ClickHouse type for {name}: {t}")
+    raise InvalidArgumentError(f"no ClickHouse type for column {name}: {t}")
 
 
 def _columns(schema: pa.Schema) -> str:

@@ -1,10 +1,10 @@
 """The generated sections of the docs: the hook catalog table of docs/hooks.md (from
 ``megatron/core/dmi/catalog.py``) and the ``--dmi-*`` flag table of docs/usage.md (from the real
-parser of ``megatron/training/dmi/arguments.py``). It lives on the training side because the flags
-are ``pretrain_gpt.py``'s; ``megatron.core.dmi`` never imports ``megatron.training``.
+parser of ``megatron/training/dmi/arguments.py``). A repository tool, not part of the installed
+package: it reads the catalog and the training flags and writes files under docs/.
 
-    python -m megatron.training.dmi.docs            # check: exit 1 if a section is out of date
-    python -m megatron.training.dmi.docs --update   # rewrite them
+    python tools/gen_docs.py            # check: exit 1 if a section is out of date
+    python tools/gen_docs.py --update   # rewrite them
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import argparse
 import os
 import sys
 
-DOCS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), *[os.pardir] * 3, "docs")
-BEGIN = "<!-- BEGIN GENERATED: {} (python -m megatron.training.dmi.docs --update) -->"
+DOCS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "docs")
+BEGIN = "<!-- BEGIN GENERATED: {} (python tools/gen_docs.py --update) -->"
 END = "<!-- END GENERATED: {} -->"
 
 
@@ -115,7 +115,7 @@ def _setup_docs(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this module's command line."""
-    p = argparse.ArgumentParser(prog="python -m megatron.training.dmi.docs", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python tools/gen_docs.py", description=__doc__.splitlines()[0])
     _setup_docs(p)
     args = p.parse_args(argv)
     return args.func(args)

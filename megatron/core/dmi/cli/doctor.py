@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 
-from megatron.core.dmi.cli import add_subcommand
+from megatron.core.dmi.cli.common import add_subcommand
 
 PINNED_MEGATRON_CORE = "0.17.1"
 MIN_PYTHON = (3, 12)
@@ -445,7 +445,7 @@ def check_store(path: str, database: str) -> list[Check]:
         out.append(Check("store dir", "ok", f"{path} (mode {mode:04o})"))
     spool = os.path.join(path, "spool")
     if os.path.isdir(spool):
-        from megatron.core.dmi.sinks.spool import list_segments
+        from megatron.core.dmi.store.segments import list_segments
 
         segs = list_segments(spool)
         corrupt = [f for _, _, fs in os.walk(spool) for f in fs if f.endswith(".corrupt")]
@@ -513,13 +513,20 @@ def check_store(path: str, database: str) -> list[Check]:
 
 def check_server(url: str, database: str, password_file: str | None) -> list[Check]:
     """Whether a ClickHouse server at ``url`` is reachable, and DMI's schema and permissions in ``database``."""
-    from megatron.core.dmi.sinks import schema as S
-    from megatron.core.dmi.sinks.backend import ServerBackend, ServerURLError, parse_server_url, resolve_password
+    from megatron.core.dmi.store import schema as S
+    from megatron.core.dmi.store.backend import BackendError, ServerBackend
+    from megatron.core.dmi.store_address import (
+        IdentifierError,
+        ServerURLError,
+        check_database,
+        parse_server_url,
+        resolve_password,
+    )
 
     try:
         parse_server_url(url)
-        S.check_database(database)
-    except (ServerURLError, S.IdentifierError) as e:
+        check_database(database)
+    except (ServerURLError, IdentifierError) as e:
         return [Check("clickhouse url", "fail", str(e), "use http(s)://[user@]host:port and a plain database name")]
     try:
         password = resolve_password(None, password_file)
@@ -537,7 +544,7 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
     try:
         try:
             version = backend.query_arrow("SELECT version() AS v").column("v")[0].as_py()
-        except Exception as e:
+        except BackendError as e:
             return [
                 Check(
                     "clickhouse server",
@@ -559,7 +566,7 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
             )
         except S.SchemaVersionError as e:
             return out + [Check("clickhouse schema", "fail", str(e), "use another --dmi-clickhouse-database")]
-        except Exception as e:
+        except BackendError as e:
             return out + [
                 Check(
                     "clickhouse schema",
@@ -577,7 +584,7 @@ def check_server(url: str, database: str, password_file: str | None) -> list[Che
             n = backend.query_arrow(f"SELECT count() AS n FROM {probe}").column("n")[0].as_py()
             backend.command(f"DROP TABLE IF EXISTS {probe}")
             out.append(Check("clickhouse permissions", "ok", f"create/insert/select/drop in {database} work ({n} row)"))
-        except Exception as e:
+        except BackendError as e:
             out.append(
                 Check(
                     "clickhouse permissions",

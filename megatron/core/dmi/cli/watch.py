@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from megatron.core.dmi.cli import _fmt_bytes, _run_arg, _store_arg, add_subcommand, open_for_reading
+from megatron.core.dmi.cli.common import add_subcommand, fmt_bytes, open_for_reading, run_arg, store_arg
 
 ROUTER_LOGITS = "router.logits"
 _BARS = " ▁▂▃▄▅▆▇█"
@@ -146,7 +146,7 @@ def render(frame: WatchFrame, interval: float | None = None):
         "   ",
         span,
         ("\nrecords ", "dim"),
-        f"{frame.records} ({_fmt_bytes(frame.bytes)})",
+        f"{frame.records} ({fmt_bytes(frame.bytes)})",
         ("   dropped before persistence ", "dim"),
         (str(frame.dropped_records), "bold red" if frame.dropped_records else ""),
         ("\nstore lag ", "dim"),
@@ -218,8 +218,8 @@ def cmd_watch(args) -> int:
 
 
 def _setup_watch(p: argparse.ArgumentParser) -> None:
-    _store_arg(p)
-    _run_arg(p)
+    store_arg(p)
+    run_arg(p)
     p.add_argument("--interval", type=float, default=3.0, help="seconds between refreshes (default: 3)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.add_argument("--json", action="store_true", help="with --once: the frame's numbers as one JSON object")

@@ -24,11 +24,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megatron.core.dmi.sinks import raw_segment
-from megatron.core.dmi.sinks import schema as S
-from megatron.core.dmi.sinks.backend import Backend, ChdbBackend, StoreBusyError
-from megatron.core.dmi.sinks.raw_segment import CorruptSegmentError, VerifiedSegment
-from megatron.core.dmi.sinks.spool import Segment, list_segments, peek_segment_id, verify_segment
+from megatron.core.dmi.errors import DMIError
+from megatron.core.dmi.store import raw_segment
+from megatron.core.dmi.store import schema as S
+from megatron.core.dmi.store.backend import Backend, ChdbBackend, StoreBusyError
+from megatron.core.dmi.store.raw_segment import CorruptSegmentError, VerifiedSegment
+from megatron.core.dmi.store.segments import Segment, list_segments, peek_segment_id, verify_segment
 
 log = logging.getLogger("megatron.core.dmi.sinks")
 
@@ -111,6 +112,10 @@ MIN_FREE_ENV = "DMI_STORE_MIN_FREE_MB"
 DEFAULT_MIN_FREE_MB = 16.0
 
 
+class MinFreeSpaceError(DMIError, ValueError):
+    """``$DMI_STORE_MIN_FREE_MB`` is not a number of MiB >= 0."""
+
+
 def min_free_bytes() -> int:
     """Free space the embedded store's file system must keep for ingest to run (a chDB insert
     into a nearly full disk can vanish without an error): ``$DMI_STORE_MIN_FREE_MB``, default 16."""
@@ -120,7 +125,7 @@ def min_free_bytes() -> int:
         if not mb >= 0:
             raise ValueError
     except ValueError:
-        raise ValueError(f"{MIN_FREE_ENV}={raw!r}: expected a number of MiB >= 0") from None
+        raise MinFreeSpaceError(f"{MIN_FREE_ENV}={raw!r}: expected a number of MiB >= 0") from None
     return int(mb * 2**20)
 
 
@@ -216,183 +221,242 @@ def ingest_spool(
     of them are read back, even if its derived rows were not (it then stays for those), and only
     once per id in ``credited`` (pass the same set to every pass).
     """
-    res = IngestResult()
     if known is None:
         known = known_segment_ids(backend)
-    credited = set() if credited is None else credited
-    min_free = min_free_bytes()
+    ingest = _IngestPass(
+        backend,
+        spool_root,
+        delete=delete,
+        known=known,
+        credited=set() if credited is None else credited,
+        max_batch_bytes=max_batch_bytes,
+    )
+    if ingest.too_full():  # not even worth reading the segments
+        ingest.res.note(ingest.res.paused)
+        return ingest.res
+    return ingest.run(list_segments(spool_root, ranks), progress)
 
-    def too_full() -> bool:
-        free = backend.free_bytes()
-        if free is not None and free < min_free:
-            res.paused = (
+
+class _IngestPass:
+    """One pass of ``ingest_spool``: its result, the segment ids it skips and credits, and the
+    verified segments queued per kind until their batch is committed."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        spool_root: str,
+        *,
+        delete: bool,
+        known: set[str],
+        credited: set[str],
+        max_batch_bytes: int,
+    ):
+        self.backend = backend
+        self.spool_root = spool_root
+        self.delete = delete
+        self.known = known
+        self.credited = credited
+        self.max_batch_bytes = max_batch_bytes
+        self.min_free = min_free_bytes()
+        self.res = IngestResult()
+        self.pending: dict[str, list[_Pending]] = {}
+        self.pending_bytes: dict[str, int] = {}
+        self.numbering: dict[str, tuple[int, int, set[int]]] = {}  # raw writer -> (first seq, rank, seqs seen)
+
+    def too_full(self) -> bool:
+        """Whether ingest is paused: the store's file system is below the free-space margin."""
+        free = self.backend.free_bytes()
+        if free is not None and free < self.min_free:
+            self.res.paused = (
                 f"ingest paused: the store's file system has {free / 2**20:.1f} MiB free, below the "
-                f"{min_free / 2**20:.0f} MiB margin (${MIN_FREE_ENV}); segments wait in the spool"
+                f"{self.min_free / 2**20:.0f} MiB margin (${MIN_FREE_ENV}); segments wait in the spool"
             )
-        return bool(res.paused)
+        return bool(self.res.paused)
 
-    if too_full():  # not even worth reading the segments
-        res.note(res.paused)
-        return res
-    segments = list_segments(spool_root, ranks)
-    numbering: dict[str, tuple[int, int, set[int]]] = {}  # raw writer -> (first seq, rank, seqs seen)
-    raw_on_disk = {(s.rank, s.seq) for s in segments if s.raw}  # damaged ones too: those are not missing
-    pending: dict[str, list[_Pending]] = {}
-    pending_bytes: dict[str, int] = {}
+    def run(self, segments: list[Segment], progress: Callable[[int], None] | None) -> IngestResult:
+        """Take every segment, commit what is still queued, then look for missing raw segments."""
+        raw_on_disk = {(s.rank, s.seq) for s in segments if s.raw}  # damaged ones too: those are not missing
+        for seg in segments:
+            size = seg.size
+            self.take(seg)
+            if progress:
+                progress(size)
+        for kind in list(self.pending):
+            self.commit(kind)
+        _check_numbering(self.backend, self.numbering, raw_on_disk, self.res)
+        if self.res.paused:
+            self.res.note(self.res.paused)
+        return self.res
 
-    def credit(kind: str, batch: list[_Pending], missing: np.ndarray) -> None:
+    def take(self, seg: Segment) -> None:
+        """Skip a segment the store holds, reject one that cannot be read, else verify and queue it."""
+        try:
+            sid = peek_segment_id(seg)
+            if seg.raw:
+                writer, seq, first = raw_segment.numbering(seg.path)
+                self.numbering.setdefault(writer, (first, seg.rank, set()))[2].add(seq)
+            if sid in self.known:
+                self.res.segments_skipped += 1
+                if self.delete:
+                    _retire(seg, keep=False)
+                return
+            verified = verify_segment(seg)
+        except Exception as e:  # last resort: whatever is wrong with one segment, the ones behind it still load
+            self.reject(seg, e)
+            return
+        self.queue(seg, sid, verified)
+
+    def reject(self, seg: Segment, error: Exception) -> None:
+        """A segment with nothing readable: reported, recorded in ``dmi.segments``, kept as ``*.corrupt``."""
+        if isinstance(error, (CorruptSegmentError, OSError)):
+            msg = str(error)
+        else:
+            msg = f"{seg.path}: {type(error).__name__}: {error}"
+        self.res.segments_corrupt += 1
+        self.res.note(f"corrupt spool segment skipped: {msg}")
+        _record_corrupt(self.backend, seg, self.spool_root, msg)
+        if self.delete:
+            _retire(seg, keep=True)
+
+    def queue(self, seg: Segment, sid: str, v: VerifiedSegment) -> None:
+        """Quarantine what did not verify and queue the rest for its kind's batch (committed once full)."""
+        problems = "" if v.clean else v.summary(seg.path)
+        if problems:
+            self.res.records_quarantined += sum(q.row >= 0 for q in v.quarantined)
+            self.res.note(f"spool segment failed verification: {problems}")
+            _record_quarantine(self.backend, seg, sid, self.spool_root, v)
+        if v.table.num_rows == 0:
+            self.res.segments_corrupt += 1
+            _record_corrupt(self.backend, seg, self.spool_root, problems, sid)
+            self.known.add(sid)
+            if self.delete:
+                _retire(seg, keep=True)
+            return
+        self.pending.setdefault(seg.kind, []).append(_Pending(seg, sid, v.table, problems))
+        self.pending_bytes[seg.kind] = self.pending_bytes.get(seg.kind, 0) + v.table.nbytes
+        if self.pending_bytes[seg.kind] >= self.max_batch_bytes:
+            self.commit(seg.kind)
+
+    def commit(self, kind: str) -> None:
+        """Insert a kind's queued batch, read it back, and record and retire the segments fully stored."""
+        batch = self.pending.pop(kind, [])
+        self.pending_bytes.pop(kind, None)
+        if not batch or self.too_full():
+            return
+        tables = [p.table for p in batch]
+        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        missing, derived_missing, refused = self.insert(kind, table)
+        self.credit(kind, batch, missing)
+        if refused is not None:
+            self.res.segments_unverified += len(batch)
+            landed = int((~missing).sum())
+            self.res.note(
+                f"insert of {len(batch)} spool segment(s) ({table.num_rows} rows) failed: {refused}; "
+                + (f"{landed} of the rows are in the store nevertheless (read back); " if landed else "")
+                + "they stay in the spool and are retried"
+            )
+            return
+        done = self.fully_stored(batch, missing, derived_missing)
+        if done and self.record_loaded(kind, done):
+            self.retire_loaded(kind, done)
+
+    def insert(self, kind: str, table: pa.Table) -> tuple[np.ndarray, int, Exception | None]:
+        """Insert a batch (and its derived rows) and read it back: the batch's rows not found, the
+        derived rows not found, and the error that refused the insert or the read-back (or None)."""
+        refused = None
+        try:
+            loaded = load_table(self.backend, kind, table)
+        except Exception as exc:  # the store refused the batch (disk full, server error), but an insert can
+            # fail after storing some or all of its rows (seen on a full disk): the read-back below decides
+            refused = exc
+            loaded = [(kind, table)]
+        missing = np.ones(table.num_rows, dtype=bool)
+        derived_missing = 0
+        try:
+            for name, t in loaded:
+                m = rows_missing(self.backend, name, t)
+                if name == kind:
+                    missing = m
+                else:
+                    derived_missing += int(m.sum())
+        except Exception as exc:  # cannot read back (any store error): nothing of the batch counts
+            refused = refused or exc
+            missing[:] = True
+        return missing, derived_missing, refused
+
+    def credit(self, kind: str, batch: list[_Pending], missing: np.ndarray) -> None:
         """Count the records of each tensor segment whose rows were all read back, once per segment."""
         if kind != "tensors":
             return
         start = 0
         for p in batch:
             n = p.table.num_rows
-            if not missing[start : start + n].any() and p.sid not in credited:
-                credited.add(p.sid)
-                _count_verified(res, p.table, p.seg.rank)
+            if not missing[start : start + n].any() and p.sid not in self.credited:
+                self.credited.add(p.sid)
+                _count_verified(self.res, p.table, p.seg.rank)
             start += n
 
-    def commit(kind: str) -> None:
-        batch = pending.pop(kind, [])
-        pending_bytes.pop(kind, None)
-        if not batch:
-            return
-        if too_full():
-            return
-        tables = [p.table for p in batch]
-        table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        derived_missing = 0
-        refused = None
-        try:
-            loaded = load_table(backend, kind, table)
-        except Exception as exc:  # the store refused the batch (disk full, server error), but an insert can
-            # fail after storing some or all of its rows (seen on a full disk): the read-back below decides
-            refused = exc
-            loaded = [(kind, table)]
-        missing = np.ones(table.num_rows, dtype=bool)
-        try:
-            for name, t in loaded:
-                m = rows_missing(backend, name, t)
-                if name == kind:
-                    missing = m
-                else:
-                    derived_missing += int(m.sum())
-        except Exception as exc:  # cannot read back: nothing of the batch counts
-            refused = refused or exc
-            missing[:] = True
-        credit(kind, batch, missing)
-        if refused is not None:
-            res.segments_unverified += len(batch)
-            landed = int((~missing).sum())
-            res.note(
-                f"insert of {len(batch)} spool segment(s) ({table.num_rows} rows) failed: {refused}; "
-                + (f"{landed} of the rows are in the store nevertheless (read back); " if landed else "")
-                + "they stay in the spool and are retried"
-            )
-            return
-        now = _now()
-        rows = {n: [] for n in S.SEGMENTS_SCHEMA.names}
+    def fully_stored(self, batch: list[_Pending], missing: np.ndarray, derived_missing: int) -> list[_Pending]:
+        """The segments of a batch whose rows (and the batch's derived rows) are all in the store;
+        each other one is reported and stays in the spool."""
         done: list[_Pending] = []
         start = 0
         for p in batch:
             n = p.table.num_rows
             lost = int(missing[start : start + n].sum())
             start += n
-            if lost or derived_missing:
-                res.segments_unverified += 1
-                what = (
-                    f"{lost} of {n} row(s)"
-                    if lost
-                    else f"{derived_missing} derived row(s) of its batch (its own {n} are in)"
-                )
-                res.note(
-                    f"{p.seg.path}: {what} not found in the store after the insert; the segment stays in "
-                    f"the spool and is retried"
-                )
+            if not (lost or derived_missing):
+                done.append(p)
                 continue
-            done.append(p)
-            for k, v in (
-                ("segment_id", p.sid),
-                ("path", os.path.relpath(p.seg.path, spool_root)),
-                ("kind", kind),
-                ("rank", p.seg.rank),
-                ("rows", n),
-                ("bytes", p.seg.size),
-                ("status", "partial" if p.problems else "ok"),
-                ("error", p.problems[:2000]),
-                ("ingested_at", now),
-            ):
-                rows[k].append(v)
-        if done:
-            try:
-                backend.insert_arrow("segments", pa.Table.from_pydict(rows, schema=S.SEGMENTS_SCHEMA))
-            except Exception as exc:  # the records are in the store (read back and credited); only the
-                # bookkeeping row is not: keep the segments, the next pass loads them again (no duplicates)
-                res.note(
-                    f"recording {len(done)} loaded spool segment(s) in {S.qualified(backend.database, 'segments')} "
-                    f"failed: {exc}; their records are in the store, the segments stay in the spool and are retried"
-                )
-                return
-        for p in done:
-            known.add(p.sid)
-            res.segments_loaded += 1
-            res.segments_partial += bool(p.problems)
-            res.rows += p.table.num_rows
-            if kind == "tensors":
-                res.records += p.table.num_rows
-                res.payload_bytes += int(pc.sum(p.table.column("nbytes")).as_py() or 0)
-            if delete:
-                _retire(p.seg, keep=bool(p.problems))
+            self.res.segments_unverified += 1
+            what = (
+                f"{lost} of {n} row(s)"
+                if lost
+                else f"{derived_missing} derived row(s) of its batch (its own {n} are in)"
+            )
+            self.res.note(
+                f"{p.seg.path}: {what} not found in the store after the insert; the segment stays in "
+                f"the spool and is retried"
+            )
+        return done
 
-    for seg in segments:
-        size = seg.size
+    def record_loaded(self, kind: str, done: list[_Pending]) -> bool:
+        """Record loaded segments in ``dmi.segments``; False (reported) when the store refuses."""
+        now = _now()
+        rows = {
+            "segment_id": [p.sid for p in done],
+            "path": [os.path.relpath(p.seg.path, self.spool_root) for p in done],
+            "kind": [kind] * len(done),
+            "rank": [p.seg.rank for p in done],
+            "rows": [p.table.num_rows for p in done],
+            "bytes": [p.seg.size for p in done],
+            "status": ["partial" if p.problems else "ok" for p in done],
+            "error": [p.problems[:2000] for p in done],
+            "ingested_at": [now] * len(done),
+        }
         try:
-            sid = peek_segment_id(seg)
-            if seg.raw:
-                writer, seq, first = raw_segment.numbering(seg.path)
-                numbering.setdefault(writer, (first, seg.rank, set()))[2].add(seq)
-            if sid in known:
-                res.segments_skipped += 1
-                if delete:
-                    _retire(seg, keep=False)
-                if progress:
-                    progress(size)
-                continue
-            v = verify_segment(seg)
-        except Exception as e:  # whatever is wrong with one segment, the ones behind it still load
-            msg = str(e) if isinstance(e, (CorruptSegmentError, OSError)) else f"{seg.path}: {type(e).__name__}: {e}"
-            res.segments_corrupt += 1
-            res.note(f"corrupt spool segment skipped: {msg}")
-            _record_corrupt(backend, seg, spool_root, msg)
-            if delete:
-                _retire(seg, keep=True)
-            if progress:
-                progress(size)
-            continue
-        problems = "" if v.clean else v.summary(seg.path)
-        if problems:
-            res.records_quarantined += sum(q.row >= 0 for q in v.quarantined)
-            res.note(f"spool segment failed verification: {problems}")
-            _record_quarantine(backend, seg, sid, spool_root, v)
-        if v.table.num_rows == 0:
-            res.segments_corrupt += 1
-            _record_corrupt(backend, seg, spool_root, problems, sid)
-            known.add(sid)
-            if delete:
-                _retire(seg, keep=True)
-        else:
-            pending.setdefault(seg.kind, []).append(_Pending(seg, sid, v.table, problems))
-            pending_bytes[seg.kind] = pending_bytes.get(seg.kind, 0) + v.table.nbytes
-            if pending_bytes[seg.kind] >= max_batch_bytes:
-                commit(seg.kind)
-        if progress:
-            progress(size)
-    for kind in list(pending):
-        commit(kind)
-    _check_numbering(backend, numbering, raw_on_disk, res)
-    if res.paused:
-        res.note(res.paused)
-    return res
+            self.backend.insert_arrow("segments", pa.Table.from_pydict(rows, schema=S.SEGMENTS_SCHEMA))
+        except Exception as exc:  # the records are in the store (read back and credited); only the
+            # bookkeeping row is not: keep the segments, the next pass loads them again (no duplicates)
+            self.res.note(
+                f"recording {len(done)} loaded spool segment(s) in {S.qualified(self.backend.database, 'segments')} "
+                f"failed: {exc}; their records are in the store, the segments stay in the spool and are retried"
+            )
+            return False
+        return True
+
+    def retire_loaded(self, kind: str, done: list[_Pending]) -> None:
+        """Count recorded segments as loaded and, when the store owns the spool, retire them."""
+        for p in done:
+            self.known.add(p.sid)
+            self.res.segments_loaded += 1
+            self.res.segments_partial += bool(p.problems)
+            self.res.rows += p.table.num_rows
+            if kind == "tensors":
+                self.res.records += p.table.num_rows
+                self.res.payload_bytes += int(pc.sum(p.table.column("nbytes")).as_py() or 0)
+            if self.delete:
+                _retire(p.seg, keep=bool(p.problems))
 
 
 def _count_verified(res: IngestResult, table: pa.Table, rank: int) -> None:
@@ -536,7 +600,7 @@ class IngesterThread:
         except StoreBusyError as e:
             log.warning("DMI: not ingesting on this node: %s", e)
             return self
-        except Exception as e:
+        except Exception as e:  # last resort: training goes on without this node's ingester (reported)
             msg = f"DMI ingester could not open the store {self.store_dir}: {type(e).__name__}: {e}"
             log.error(msg)
             self.result.errors.append(msg)
@@ -613,7 +677,7 @@ class IngesterThread:
         if self.backend is not None:
             try:
                 r = self.run_pass()
-            except Exception as e:
+            except Exception as e:  # last resort: the run ends anyway; the segments stay for a reader
                 msg = f"DMI final ingest failed (segments stay in the spool; a reader loads them): {type(e).__name__}: {e}"
                 log.error(msg)
                 self.result.errors.append(msg)

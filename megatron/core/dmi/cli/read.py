@@ -1,106 +1,34 @@
-"""``megatron-dmi <command>`` (or ``python -m megatron.core.dmi <command>``): look at what a run
-captured, during the run or after it.
-
-Reading commands open a snapshot of the store (see reader/snapshot.py: a folder of hard links under
-the store's ``.readers/``, removed when they exit) and change nothing in the store; only ``load``
-writes. This module and the reader import pyarrow, pandas and chDB, not torch (only the commands
-that decode payloads do: ``tensor``, ``watch``'s entropy, three of the analyses) nor megatron-core,
-so ``megatron-dmi`` starts fast (benchmarks/cli_speed.py; megatron_dmi/__init__.py says why
-``python -m megatron.core.dmi`` cannot).
-
-Commands register through ``add_subcommand(name, setup, help)``; ``setup(parser)`` adds the
-command's arguments and sets ``func`` (a callable taking the parsed args, returning an exit code).
-Other modules can add commands (e.g. ``doctor``) by calling ``add_subcommand`` before ``main``,
-or by being listed in ``EXTRA_COMMAND_MODULES`` (imported lazily; each calls ``add_subcommand``).
+"""The reading commands of ``megatron-dmi``: ``show``, ``runs``, ``describe``, ``tensor``,
+``expert-load``, ``drops``, ``load``, ``export`` and the analyses. Each opens a snapshot of the
+store (reader/snapshot.py: hard links under the store's ``.readers/``, removed on exit) and changes
+nothing in the store, except ``load``, which writes. Only ``tensor`` imports torch.
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import logging
 import sys
-import warnings
-from collections.abc import Callable
 
-SetupFn = Callable[[argparse.ArgumentParser], None]
-_COMMANDS: dict[str, tuple[SetupFn, str]] = {}
-# Modules that register more subcommands when imported (missing ones are skipped).
-EXTRA_COMMAND_MODULES = ["megatron.core.dmi.doctor", "megatron.core.dmi.reader.watch"]
-
-
-def add_subcommand(name: str, setup: SetupFn, help: str) -> None:
-    """Register a subcommand: ``setup`` adds its arguments to its parser."""
-    _COMMANDS[name] = (setup, help)
-
-
-def database_arg(value: str) -> str:
-    """The argparse type of every database flag (here and --dmi-clickhouse-database)."""
-    from megatron.core.dmi.sinks.schema import IdentifierError, check_database
-
-    try:
-        return check_database(value)
-    except IdentifierError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _store_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("store", help="store directory (--dmi-store-dir) or ClickHouse URL http(s)://host:port")
-    p.add_argument("--database", type=database_arg, default="dmi", help="database name (default: dmi)")
-
-
-def _run_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", dest="run_id", default=None, help="run id (default: the latest run)")
-
-
-def open_for_reading(store: str, database: str, quiet: bool = False):
-    """A read-only snapshot view of ``store`` (a URL: the server itself); says what it took from
-    the spool (segments the store has not loaded yet: a live run's latest, a crash's leftovers)."""
-    from megatron.core.dmi.reader import open_store
-
-    opened = open_store(store, database=database, progress=sys.stderr.isatty() and not quiet)
-    r = opened.ingest_result
-    if (r.segments_loaded or r.segments_corrupt or r.errors) and not quiet:
-        print(
-            f"(read {r.segments_loaded} spool segment(s) not in the store yet, {r.records} record(s)"
-            + (f"; {r.segments_corrupt} corrupt segment(s) skipped" if r.segments_corrupt else "")
-            + (f"; {r.records_quarantined} record(s) quarantined" if r.records_quarantined else "")
-            + "; the files are left as they are)"
-        )
-        for e in r.errors:
-            print(f"  ! {e}")
-    return opened
-
-
-def _open(args):
-    return open_for_reading(args.store, args.database)
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def _print_table(df, max_rows: int = 200) -> None:
-    import pandas as pd
-
-    with pd.option_context("display.max_rows", max_rows, "display.max_columns", 50, "display.width", 200):
-        print(df.to_string(index=False) if not df.empty else "(none)")
+from megatron.core.dmi.cli.common import (
+    add_subcommand,
+    database_arg,
+    fmt_bytes,
+    open_store_of,
+    print_table,
+    run_arg,
+    store_arg,
+)
 
 
 # -- commands ---------------------------------------------------------------------------------
 def cmd_runs(args) -> int:
     """``runs``: list the runs of a store."""
-    with _open(args) as store:
+    with open_store_of(args) as store:
         runs = store.runs()
         if runs.empty:
             print("no runs")
             return 0
-        runs = runs.assign(size=[_fmt_bytes(int(b)) for b in runs["bytes"]]).drop(columns=["bytes"])
-        _print_table(runs)
+        runs = runs.assign(size=[fmt_bytes(int(b)) for b in runs["bytes"]]).drop(columns=["bytes"])
+        print_table(runs)
     return 0
 
 
@@ -139,7 +67,7 @@ def _load_iteration_note(parts: dict[int, int], it: int, chosen: bool) -> str:
 
 def cmd_show(args) -> int:
     """``show``: describe the latest run (or one, or all) with its records per output."""
-    with _open(args) as store:
+    with open_store_of(args) as store:
         runs = store.runs()
         if runs.empty:
             print(f"no runs in {args.store}")
@@ -151,8 +79,8 @@ def cmd_show(args) -> int:
             d = store.describe(run_id)
             print(d)
             print("records per output:")
-            _print_table(
-                d.outputs.assign(size=[_fmt_bytes(int(b)) for b in d.outputs["bytes"]])[
+            print_table(
+                d.outputs.assign(size=[fmt_bytes(int(b)) for b in d.outputs["bytes"]])[
                     [
                         "phase",
                         "output",
@@ -172,7 +100,7 @@ def cmd_show(args) -> int:
                 if t is not None:
                     print(_load_iteration_note(parts, it, chosen=args.iteration is None))
                     print(f"expert load (tokens after capacity dropping) at iteration {it}:")
-                    _print_table(t)
+                    print_table(t)
                 else:
                     print(f"no router.expert_counts at iteration {it}")
             print()
@@ -181,10 +109,10 @@ def cmd_show(args) -> int:
 
 def cmd_describe(args) -> int:
     """``describe``: one run's outputs, and with ``--config`` its capture configuration."""
-    with _open(args) as store:
+    with open_store_of(args) as store:
         d = store.describe(args.run_id)
         print(d)
-        _print_table(d.outputs)
+        print_table(d.outputs)
         if args.config:
             import json
 
@@ -210,7 +138,7 @@ def cmd_tensor(args) -> int:
 
     from megatron.core.dmi.reader import AmbiguousLayerError
 
-    with _open(args) as store:
+    with open_store_of(args) as store:
         run_id = store.resolve_run(args.run_id)
         try:
             t = store.tensor(
@@ -258,14 +186,14 @@ def _no_expert_counts(store, run_id: str, layers: list[int] | None, iteration: i
 
 def cmd_expert_load(args) -> int:
     """``expert-load``: tokens per expert after capacity dropping, per layer."""
-    with _open(args) as store:
+    with open_store_of(args) as store:
         run_id = store.resolve_run(args.run_id)
         if args.iteration is not None:
             t = _expert_load_table(store, run_id, args.iteration, args.layer)
             if t is None:
                 return _no_expert_counts(store, run_id, args.layer, args.iteration)
             print(f"expert load at iteration {args.iteration} (tokens after dropping):")
-            _print_table(t)
+            print_table(t)
             return 0
         load = store.expert_load(run_id, layers=args.layer)
         if load.empty:
@@ -275,18 +203,18 @@ def cmd_expert_load(args) -> int:
         pre = g["tokens_pre"].sum().values
         s["dropped"] = [f"{(p - q) / p:.1%}" if p else "0.0%" for p, q in zip(pre, s["sum"])]
         s["max/mean"] = (s["max"] / s["mean"].where(s["mean"] > 0)).fillna(0).round(2)
-        _print_table(s.rename(columns={"sum": "tokens"}).drop(columns=["mean"]))
+        print_table(s.rename(columns={"sum": "tokens"}).drop(columns=["mean"]))
     return 0
 
 
 def cmd_drops(args) -> int:
     """``drops``: the records a run dropped before they were persisted."""
-    with _open(args) as store:
+    with open_store_of(args) as store:
         run_id = store.resolve_run(args.run_id)
         drops = store.dropped_records(run_id)
         print(f"records dropped before persistence in run {run_id}: {len(drops)}")
         if not drops.empty:
-            _print_table(drops.groupby(["reason", "output"]).size().reset_index(name="records"))
+            print_table(drops.groupby(["reason", "output"]).size().reset_index(name="records"))
         rate = store.drop_rate(run_id)
         if not rate.empty:
             print("tokens dropped by the capacity factor:")
@@ -294,7 +222,7 @@ def cmd_drops(args) -> int:
             shown = rate.drop(columns=["complete"]).assign(
                 drop_rate=[f"{x:.1%}" if ok else f"{x:.1%} *" for x, ok in zip(rate["drop_rate"], rate["complete"])]
             )
-            _print_table(shown)
+            print_table(shown)
             if partial.any():
                 print(
                     f"* partial: {int(partial.sum())} iteration(s) lost router.expert_counts records before "
@@ -303,7 +231,7 @@ def cmd_drops(args) -> int:
         reps = store.reports(run_id)
         if not reps.empty:
             print("sink reports:")
-            _print_table(reps[["attempt", "rank", "sink", "records_written", "records_spooled", "records_dropped"]])
+            print_table(reps[["attempt", "rank", "sink", "records_written", "records_spooled", "records_dropped"]])
     return 0
 
 
@@ -325,7 +253,7 @@ def cmd_load(args) -> int:
     with open_store(target, database=args.database, writable=True) as store:
         r = store.load(src, delete=args.delete, progress=sys.stderr.isatty())
     print(
-        f"loaded {r.segments_loaded} segment(s): {r.records} record(s), {_fmt_bytes(r.payload_bytes)} of payload; "
+        f"loaded {r.segments_loaded} segment(s): {r.records} record(s), {fmt_bytes(r.payload_bytes)} of payload; "
         f"{r.segments_skipped} already present, {r.segments_corrupt} corrupt, {r.segments_partial} partly "
         f"quarantined ({r.records_quarantined} record(s) in dmi.quarantine), {r.segments_unverified} not verified, "
         f"{len(r.missing_segments)} missing"
@@ -341,7 +269,7 @@ def _report_unfinished(spool_root: str, delete: bool) -> None:
     one's."""
     import os
 
-    from megatron.core.dmi.sinks.spool import unfinished_segments
+    from megatron.core.dmi.store.segments import unfinished_segments
 
     for path, alive in unfinished_segments(spool_root):
         if alive:
@@ -358,8 +286,8 @@ def _report_unfinished(spool_root: str, delete: bool) -> None:
 
 def cmd_export(args) -> int:
     """``export``: write a run of a store as spool segments (loadable into another store)."""
-    with _open(args) as store:
-        from megatron.core.dmi.sinks.export import export_spool
+    with open_store_of(args) as store:
+        from megatron.core.dmi.cli.export import export_spool
 
         n = export_spool(store, args.to, args.run_id, progress=sys.stderr.isatty())
     print(
@@ -370,28 +298,28 @@ def cmd_export(args) -> int:
 
 
 def _setup_export(p):
-    _store_arg(p)
+    store_arg(p)
     p.add_argument("--run", dest="run_id", default=None, help="only this run (default: every run)")
     p.add_argument("--to", required=True, help="output spool directory (rank-* folders)")
     p.set_defaults(func=cmd_export)
 
 
 def _setup_runs(p):
-    _store_arg(p)
+    store_arg(p)
     p.set_defaults(func=cmd_runs)
 
 
 def _setup_show(p):
-    _store_arg(p)
-    _run_arg(p)
+    store_arg(p)
+    run_arg(p)
     p.add_argument("--all", dest="all_runs", action="store_true", help="every run in the store, oldest first")
     p.add_argument("--iteration", type=int, default=None, help="iteration for the expert load (default: the last one)")
     p.set_defaults(func=cmd_show)
 
 
 def _setup_describe(p):
-    _store_arg(p)
-    _run_arg(p)
+    store_arg(p)
+    run_arg(p)
     p.add_argument(
         "--config",
         action="store_true",
@@ -401,8 +329,8 @@ def _setup_describe(p):
 
 
 def _setup_tensor(p):
-    _store_arg(p)
-    _run_arg(p)
+    store_arg(p)
+    run_arg(p)
     p.add_argument("--output", required=True, help="hook output, e.g. router.logits")
     p.add_argument("--iteration", type=int, required=True)
     p.add_argument("--layer", type=int, default=None, help="global layer (required when several were captured)")
@@ -415,16 +343,16 @@ def _setup_tensor(p):
 
 
 def _setup_expert_load(p):
-    _store_arg(p)
-    _run_arg(p)
+    store_arg(p)
+    run_arg(p)
     p.add_argument("--iteration", type=int, default=None, help="one iteration as a layers x experts table")
     p.add_argument("--layer", type=int, action="append", default=None, help="restrict to these layers")
     p.set_defaults(func=cmd_expert_load)
 
 
 def _setup_drops(p):
-    _store_arg(p)
-    _run_arg(p)
+    store_arg(p)
+    run_arg(p)
     p.set_defaults(func=cmd_drops)
 
 
@@ -451,17 +379,17 @@ def cmd_routing_concentration(args) -> int:
     """``routing-concentration``: each layer's share of routed tokens per expert."""
     from megatron.core.dmi.reader.analyses import routing_concentration
 
-    with _open(args) as store:
+    with open_store_of(args) as store:
         result = routing_concentration(store, args.run_id, args.phase, args.layer, None, args.window)
     share = result.frequency.pivot(index="layer", columns="expert", values="share")
     print("expert frequency (share of each layer's routed slots, before capacity dropping):")
-    _print_table((share * 100).round(1).reset_index())
+    print_table((share * 100).round(1).reset_index())
     coverage = result.coverage.pivot(index="layer", columns="top_n", values="coverage")
     print("\ntop-N coverage (share of routed slots taken by the N most chosen experts):")
-    _print_table((coverage * 100).round(1).reset_index())
+    print_table((coverage * 100).round(1).reset_index())
     hot = result.heatmap.loc[result.heatmap.groupby(["window_start", "layer"])["share"].idxmax()]
     print(f"\nhottest expert per layer, windows of {args.window} captured iteration(s):")
-    _print_table(hot.assign(share=(hot["share"] * 100).round(1)))
+    print_table(hot.assign(share=(hot["share"] * 100).round(1)))
     return 0
 
 
@@ -469,12 +397,12 @@ def cmd_routing_predictability(args) -> int:
     """``routing-predictability``: layer L's router applied to layer L-1's input."""
     from megatron.core.dmi.reader.analyses import routing_predictability
 
-    with _open(args) as store:
+    with open_store_of(args) as store:
         table = routing_predictability(store, args.run_id, args.phase, args.layer, args.iteration)
     print("layer L's router on layer L-1's resid.in: predicted vs actual tokens per expert (before dropping)")
-    _print_table(table[["iteration", "layer", "tokens", "cosine", "spearman"]].round(4))
+    print_table(table[["iteration", "layer", "tokens", "cosine", "spearman"]].round(4))
     print("\nper layer (mean over iterations):")
-    _print_table(table.groupby("layer", as_index=False)[["cosine", "spearman"]].mean().round(4))
+    print_table(table.groupby("layer", as_index=False)[["cosine", "spearman"]].mean().round(4))
     return 0
 
 
@@ -482,10 +410,10 @@ def cmd_loss_vs_routing(args) -> int:
     """``loss-vs-routing``: per-token loss of tokens with a dropped route vs the rest."""
     from megatron.core.dmi.reader.analyses import loss_vs_routing
 
-    with _open(args) as store:
+    with open_store_of(args) as store:
         table = loss_vs_routing(store, args.run_id, args.phase, args.layer)
     print("mean per-token loss of tokens with a route dropped by the capacity factor vs tokens that kept all:")
-    _print_table(table.round(4))
+    print_table(table.round(4))
     return 0
 
 
@@ -493,24 +421,24 @@ def cmd_grad_norms(args) -> int:
     """``grad-norms``: gradient norms per layer and output."""
     from megatron.core.dmi.reader.analyses import grad_norms
 
-    with _open(args) as store:
+    with open_store_of(args) as store:
         result = grad_norms(store, args.run_id, args.phase, args.layer, args.iteration)
     per_layer = result.layers.pivot_table(index=["iteration", "layer"], columns="output", values="rms_per_token")
     print("gradient RMS per token (L2 norm over the iteration's tokens / sqrt(tokens)), per layer:")
-    _print_table(per_layer.reset_index())
+    print_table(per_layer.reset_index())
     print("\nper layer (mean over iterations):")
-    _print_table(per_layer.groupby("layer").mean().reset_index())
+    print_table(per_layer.groupby("layer").mean().reset_index())
     if not result.experts.empty:
         share = result.experts.pivot_table(index=["iteration", "layer"], columns="expert", values="share")
         share.columns = [f"e{c}" for c in share.columns]
         print("\nrouter-logit gradient per expert: share of the layer's squared norm (%):")
-        _print_table((share * 100).round(1).reset_index())
+        print_table((share * 100).round(1).reset_index())
     return 0
 
 
 def _analysis_args(p, layer_help: str) -> None:
-    _store_arg(p)
-    _run_arg(p)
+    store_arg(p)
+    run_arg(p)
     p.add_argument("--phase", default="train", choices=["train", "valid"])
     p.add_argument("--layer", type=int, action="append", default=None, help=layer_help)
 
@@ -560,55 +488,3 @@ add_subcommand(
     _setup_grad_norms,
     "gradient norms (needs --dmi-hooks grad) per layer and per expert over iterations",
 )
-
-
-def build_parser(prog: str = "python -m megatron.core.dmi") -> argparse.ArgumentParser:
-    """The command-line parser with every registered subcommand."""
-    for mod in EXTRA_COMMAND_MODULES:
-        try:
-            importlib.import_module(mod)
-        except ImportError as e:
-            if getattr(e, "name", None) != mod:
-                raise
-    parser = argparse.ArgumentParser(
-        prog=prog, description="Inspect Megatron-DMI captures (runs, tensors, expert load)."
-    )
-    sub = parser.add_subparsers(dest="command", metavar="command")
-    sub.required = True
-    for name, (setup, help_) in _COMMANDS.items():
-        setup(sub.add_parser(name, help=help_, description=help_))
-    return parser
-
-
-def main(argv: list[str] | None = None, prog: str = "python -m megatron.core.dmi") -> int:
-    """Run the command line ``argv``; returns the exit status (DMI's own errors print, not raise)."""
-    # Upstream libraries' import-time notices (no CUDA, no Transformer Engine/apex, absl) are not
-    # the user's business here; DMI's own warnings (e.g. a corrupt segment) still show.
-    warnings.filterwarnings("ignore", module=r"(torch|transformer_engine|apex|megatron\.core(?!\.dmi))(\.|$)")
-    # The ClickHouse driver logs each failed request before raising it (the error printed below says it once);
-    # torch's extension builder logs "No CUDA runtime is found" on a CPU (``doctor`` reports the GPU itself).
-    logging.getLogger("clickhouse_connect").setLevel(logging.ERROR)
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    args = build_parser(prog).parse_args(argv)
-    from megatron.core.dmi.reader import ReconstructionError, SchemaVersionError, StoreBusyError, StoreError
-    from megatron.core.dmi.sinks import BackendError, IdentifierError, ServerURLError
-
-    try:
-        return int(args.func(args) or 0)
-    except (
-        StoreError,
-        StoreBusyError,
-        SchemaVersionError,
-        ReconstructionError,
-        BackendError,
-        IdentifierError,
-        ServerURLError,
-    ) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except BrokenPipeError:
-        return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,7 +18,7 @@ import pyarrow as pa
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.key import PHASES, Firing, RecordKey
 from megatron.core.dmi.records import DESCRIPTOR_COLUMNS, descriptor_table
-from megatron.core.dmi.sinks import schema as S
+from megatron.core.dmi.store import schema as S
 
 # Format 2; format 1 had no CRC over keys and no footer.
 RAW_MAGIC, SITE_MAGIC, RECS_MAGIC, END_MAGIC = b"DMIRAW02", b"DMISITE2", b"DMIRECS2", b"DMIEND02"

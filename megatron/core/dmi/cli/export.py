@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megatron.core.dmi.records import TENSOR_SCHEMA
-from megatron.core.dmi.sinks import schema as S
 from megatron.core.dmi.sinks.spool import SpoolWriter
+from megatron.core.dmi.store import schema as S
 
 if TYPE_CHECKING:
     from megatron.core.dmi.reader.store import Store

@@ -8,20 +8,19 @@ spliced into SQL text.
 
 from __future__ import annotations
 
-import base64
 import fcntl
 import os
 import re
 import shutil
 import threading
-import urllib.parse
 from abc import ABC, abstractmethod
 from typing import Any
 
 import pyarrow as pa
 
-from megatron.core.dmi.errors import DMIError
-from megatron.core.dmi.sinks import schema as S
+from megatron.core.dmi.errors import DMIError, InvalidArgumentError
+from megatron.core.dmi.store import schema as S
+from megatron.core.dmi.store_address import check_database, check_identifier, parse_server_url, redact, resolve_password
 
 
 class StoreBusyError(DMIError, RuntimeError):
@@ -85,7 +84,7 @@ class Backend(ABC):
 
     def ensure_schema(self) -> None:
         """Create missing tables; refuse a store of another schema version."""
-        db = S.check_identifier(self.database, "database name")
+        db = check_identifier(self.database, "database name")
         exists = (
             self.query_arrow(
                 "SELECT count() AS n FROM system.tables WHERE database = {db:String} AND name = 'schema_version'",
@@ -131,7 +130,9 @@ def _param_elem(v: Any) -> str:
         return repr(v)
     if isinstance(v, (list, tuple)):
         return "[" + ",".join(_param_elem(x) for x in v) + "]"
-    raise TypeError(f"unsupported query parameter value {type(v).__name__}")
+    raise InvalidArgumentError(
+        f"unsupported query parameter value {type(v).__name__} (expected str, bool, int, float or a list of them)"
+    )
 
 
 def chdb_params(params: dict[str, Any] | None) -> dict[str, str] | None:
@@ -160,7 +161,7 @@ class ChdbBackend(Backend):
     def __init__(self, path: str, database: str = S.DEFAULT_DATABASE):
         """Open the chDB store at ``path`` (or share this process's open session of it), taking its lock file;
         ``StoreBusyError`` when this process has another store open or another process holds this one."""
-        self.database = S.check_database(database)
+        self.database = check_database(database)
         self.path = os.path.realpath(path)
         self.description = f"at {path}"
         with _open_lock:
@@ -190,7 +191,7 @@ class ChdbBackend(Backend):
                     from chdb import session as chs
 
                     sess = chs.Session(self.path)
-                except Exception:
+                except BaseException:  # release the store's lock, then re-raise whatever it was
                     fcntl.flock(lockfd, fcntl.LOCK_UN)
                     os.close(lockfd)
                     raise
@@ -215,7 +216,7 @@ class ChdbBackend(Backend):
         """Insert ``data`` into ``table``, read in place by chDB (nothing to do for no rows)."""
         if data.num_rows == 0:
             return
-        cols = ", ".join(S.check_identifier(c, "column name") for c in data.schema.names)
+        cols = ", ".join(check_identifier(c, "column name") for c in data.schema.names)
         # chDB's Python() table function reads the Arrow table in place, found by its name in this
         # frame: no IPC copy (about twice as fast as a streamed insert of the same 200 MB here), and
         # it exists in chdb-core-lite, the engine-only package that has no send_insert.
@@ -251,93 +252,10 @@ class ChdbBackend(Backend):
 # ClickHouse server (clickhouse-connect)
 # ------------------------------------------------------------------------------------------------
 
-PASSWORD_ENV = "DMI_CLICKHOUSE_PASSWORD"
-PASSWORD_FILE_ENV = "DMI_CLICKHOUSE_PASSWORD_FILE"
-
-
-class ServerURLError(DMIError, ValueError):
-    """A ClickHouse server URL that is not ``http(s)://[user@]host:port`` or carries a password."""
-
-
-def parse_server_url(url: str) -> dict:
-    """``http(s)://[user@]host:port`` -> connection kwargs. A password inside the URL is refused
-    (it would sit in argv and in logs): use DMI_CLICKHOUSE_PASSWORD or a password file."""
-    p = urllib.parse.urlsplit(url)
-    if p.scheme not in ("http", "https"):
-        raise ServerURLError(f"--dmi-clickhouse-url must start with http:// or https:// (got scheme {p.scheme!r})")
-    if p.password is not None:
-        raise ServerURLError(
-            "--dmi-clickhouse-url must not contain a password; set DMI_CLICKHOUSE_PASSWORD or use a password file"
-        )
-    if not p.hostname:
-        raise ServerURLError("--dmi-clickhouse-url has no host name")
-    if p.path not in ("", "/") or p.query or p.fragment:
-        raise ServerURLError("--dmi-clickhouse-url takes only http(s)://[user@]host:port")
-    try:
-        port = p.port
-    except ValueError:
-        raise ServerURLError("--dmi-clickhouse-url has an invalid port") from None
-    secure = p.scheme == "https"
-    return {
-        "host": p.hostname,
-        "port": port or (8443 if secure else 8123),
-        "username": urllib.parse.unquote(p.username) if p.username else "default",
-        "secure": secure,
-    }
-
-
-def resolve_password(explicit: str | None = None, password_file: str | None = None) -> str:
-    """The server password: ``explicit``, else the environment, else a password file, else empty."""
-    if explicit:
-        return explicit
-    if os.environ.get(PASSWORD_ENV):
-        return os.environ[PASSWORD_ENV]
-    path = password_file or os.environ.get(PASSWORD_FILE_ENV)
-    if path:
-        with open(path) as f:
-            return f.read().strip()
-    return ""
-
-
-# The value of an Authorization header however it is echoed back: raw (``Authorization: Basic x``),
-# as a dict or JSON (``'authorization': 'Basic x'``), or as a query/form pair (``authorization=x``).
-_AUTH_VALUE = re.compile(
-    r"(?i)(\b(?:proxy-)?authorization['\"]?\s*[:=]\s*['\"]?(?:(?:basic|bearer|digest)\s+)?)[^\s'\",;}&]+"
-)
-# Everything between a scheme's // and the next @: a URL's user name and password, whatever they hold.
-_URL_USERINFO = re.compile(r"//[^\s@]*@")
-# The body of an HTTP error that did not come from ClickHouse (no exception code): a proxy's page,
-# possibly echoing the request's headers; clickhouse-connect words it this way.
-_FOREIGN_BODY = re.compile(r"(HTTP driver received HTTP status \d+), server response: .*", re.S)
-
-
-def secret_forms(secret: str | None, username: str | None = None) -> list[str]:
-    """Every form in which a request carried the password and a server may echo it: plain,
-    URL-quoted, and base64 (with and without padding) of ``user:password`` (HTTP Basic) and of the
-    password alone. Longest first, so no form is cut by a shorter one before it is replaced."""
-    if not secret:
-        return []
-    forms = {secret, urllib.parse.quote(secret, safe="")}
-    for raw in (f"{username or 'default'}:{secret}", secret):
-        for encode in (base64.b64encode, base64.urlsafe_b64encode):
-            encoded = encode(raw.encode()).decode()
-            forms.update((encoded, encoded.rstrip("=")))
-    return sorted(forms, key=len, reverse=True)
-
 
 # The operating system's reason inside the driver's connection error ("[Errno 111] Connection refused"),
 # which the driver wraps in its pool, query id and URL.
 _OS_REASON = re.compile(r"\[Errno -?\d+\] [^\"')(]+")
-
-
-def redact(text: str, secret: str | None, username: str | None = None) -> str:
-    """``text`` safe to print, report and store: no password in any form, no Authorization header
-    value, no URL user info, and no raw body of a non-ClickHouse error response."""
-    for form in secret_forms(secret, username):
-        text = text.replace(form, "***")
-    text = _FOREIGN_BODY.sub(r"\1 (the response body is not shown: it did not come from ClickHouse)", text)
-    text = _AUTH_VALUE.sub(r"\1***", text)
-    return _URL_USERINFO.sub("//***@", text)
 
 
 class ServerBackend(Backend):
@@ -353,7 +271,7 @@ class ServerBackend(Backend):
     ):
         """Set up a client for the server at ``url``, connected on first use; the password is ``password``, or
         ``resolve_password()``'s when None."""
-        self.database = S.check_database(database)
+        self.database = check_database(database)
         self._kw = parse_server_url(url)
         self.description = f"at {self._kw['host']}:{self._kw['port']}"
         self._password = password if password is not None else resolve_password()
@@ -392,7 +310,7 @@ class ServerBackend(Backend):
                 return fn(self._get())
         except BackendError:
             raise
-        except Exception as e:
+        except Exception as e:  # last resort: any client error leaves as BackendError, its text redacted
             self._client = None  # reconnect next time
             raise BackendError(f"ClickHouse {self.description}: {type(e).__name__}: {self.redact(str(e))}") from None
 
@@ -419,7 +337,7 @@ class ServerBackend(Backend):
         """Insert ``data`` into ``table`` of the server's database (nothing to do for no rows)."""
         if data.num_rows == 0:
             return
-        S.check_identifier(table, "table name")
+        check_identifier(table, "table name")
         self._wrap(lambda c: c.insert_arrow(table, data, database=self.database))
 
     def close(self):
@@ -427,6 +345,6 @@ class ServerBackend(Backend):
         if self._client is not None:
             try:
                 self._client.close()
-            except Exception:
-                pass
+            except Exception:  # last resort: the client is dropped either way, and close() runs on error
+                pass  # paths where a second error would hide the first
             self._client = None
