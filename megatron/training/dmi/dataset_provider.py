@@ -95,17 +95,21 @@ def dataset_type(args) -> type:
     return GPTFIMDataset if args.fim_data else GPTDataset
 
 
+def has_mtp_layers(args, vp_stage=None) -> bool:
+    """Whether this pipeline stage (and virtual stage) holds multi-token-prediction layers, which
+    read the batch's tokens and labels wherever they are."""
+    # No MTP layer without --mtp-num-layers; the model config is built (and checked) only then.
+    if not args.mtp_num_layers:
+        return False
+    return mtp_on_this_rank(core_transformer_config_from_args(args), ignore_virtual=False, vp_stage=vp_stage)
+
+
 def is_dataset_built_on_rank(vp_stage=None, is_packed_sequence: bool = False) -> bool:
     """TP rank 0 of a stage that reads data: the first and last stages and MTP stages; with
     packed sequences every stage (its attention needs the sequence boundaries)."""
     if mpu.get_tensor_model_parallel_rank() != 0:
         return False
-    if is_packed_sequence:
-        return True
-    config = core_transformer_config_from_args(get_args())
-    return is_first_or_last_pipeline_stage(vp_stage) or mtp_on_this_rank(
-        config, ignore_virtual=False, vp_stage=vp_stage
-    )
+    return is_packed_sequence or is_first_or_last_pipeline_stage(vp_stage) or has_mtp_layers(get_args(), vp_stage)
 
 
 def _data_paths(args) -> list[str]:
@@ -121,6 +125,8 @@ def data_flag_problem(args) -> str | None:
     Each case is one where upstream's entry fails too, deep inside megatron-core (an assertion
     without a message or an ImportError on the first batch); here it is one line at start-up.
     """
+    if args.sft and args.micro_batch_size != 1:
+        return "argument --sft: packed sequences need --micro-batch-size 1 (one pack of sequences a microbatch)"
     if args.sft and importlib.util.find_spec("datasets") is None:
         return "argument --sft: SFTDataset reads jsonl through the 'datasets' package, which is not installed"
     for path in _data_paths(args):

@@ -19,14 +19,12 @@ from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.rerun_state_machine import get_rerun_state_machine
-from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank
 from megatron.core.utils import (
     StragglerDetector,
     get_attr_wrapped_model,
     get_batch_on_this_hybrid_cp_rank,
     get_thd_batch_on_this_cp_rank,
 )
-from megatron.training.arguments import core_transformer_config_from_args
 from megatron.training.utils import (
     get_batch_on_this_cp_rank,
     get_batch_on_this_tp_rank,
@@ -35,7 +33,7 @@ from megatron.training.utils import (
 
 from megatron.training import get_args, get_timers, pretrain
 from megatron.training.dmi import entry
-from megatron.training.dmi.dataset_provider import train_valid_test_datasets_provider
+from megatron.training.dmi.dataset_provider import has_mtp_layers, train_valid_test_datasets_provider
 from megatron.training.dmi.model_provider import model_provider
 
 # Upstream's entry hands these to ``pretrain``: without --tokenizer-type it is GPT-2's BPE.
@@ -69,7 +67,7 @@ def get_batch(data_iterator, vp_stage=None):
     """
     args = get_args()
     packed = bool(args.sft)
-    mtp_here = mtp_on_this_rank(core_transformer_config_from_args(args), ignore_virtual=False, vp_stage=vp_stage)
+    mtp_here = has_mtp_layers(args, vp_stage)
     reads_data = is_first_or_last_pipeline_stage(vp_stage)
     if not reads_data and not packed and not mtp_here:
         return None, None, None, None, None, None
@@ -78,11 +76,7 @@ def get_batch(data_iterator, vp_stage=None):
     cu_seqlens_padded = batch.pop("cu_seqlens_padded", None)
     max_seqlen = batch.pop("max_seqlen", None)
     local_cp_size = batch.pop("local_cp_size", None)
-    if cu_seqlens is not None:
-        if cu_seqlens.dim() != 2 or cu_seqlens.shape[0] != 1:
-            raise ValueError(
-                f"packed sequences need --micro-batch-size 1 (cu_seqlens of shape {tuple(cu_seqlens.shape)})"
-            )
+    if cu_seqlens is not None:  # [1, S+1]: one packed sequence a microbatch (see data_flag_problem)
         cu_seqlens = cu_seqlens[0]
     if not reads_data and packed:
         return None, None, None, None, None, _packed_seq_params_for_middle_stage(cu_seqlens, max_seqlen)
