@@ -28,6 +28,17 @@ from megatron.training import get_args, print_rank_0
 
 # The package each object-storage scheme reads through (megatron-core imports them lazily).
 OBJECT_STORAGE_PACKAGES = {"s3": "boto3", "msc": "multistorageclient"}
+# The package megatron-core's tokenizer of each type is built on (optional dependencies of the wheel).
+TOKENIZER_PACKAGES = {
+    "GPT2BPETokenizer": "transformers",
+    "BertWordPieceLowerCase": "transformers",
+    "BertWordPieceCase": "transformers",
+    "HuggingFaceTokenizer": "transformers",
+    "SentencePieceTokenizer": "sentencepiece",
+    "GPTSentencePieceTokenizer": "sentencepiece",
+    "Llama2Tokenizer": "sentencepiece",
+    "TikTokenizer": "tiktoken",
+}
 
 
 def _fim_options(args) -> dict:
@@ -119,15 +130,28 @@ def _data_paths(args) -> list[str]:
     return [p for p in paths if isinstance(p, str)]
 
 
-def data_flag_problem(args) -> str | None:
-    """Why these data arguments cannot run in this environment, as ``--flag: reason`` (None when they can).
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def data_args_problem(args) -> str | None:
+    """Why these data arguments cannot run in this environment, as ``argument --flag: reason``
+    (None when they can).
 
     Each case is one where upstream's entry fails too, deep inside megatron-core (an assertion
-    without a message or an ImportError on the first batch); here it is one line at start-up.
+    without a message, or an ImportError when the tokenizer or the first batch is built); here it
+    is one line before anything is built.
     """
+    package = TOKENIZER_PACKAGES.get(args.tokenizer_type)
+    if package and not _installed(package):
+        return (
+            f"argument --tokenizer-type: {args.tokenizer_type} needs the '{package}' package, which is not "
+            "installed (without the flag the tokenizer is GPT2BPETokenizer, as upstream's entry has it; "
+            "NullTokenizer with --vocab-size needs no package)"
+        )
     if args.sft and args.micro_batch_size != 1:
         return "argument --sft: packed sequences need --micro-batch-size 1 (one pack of sequences a microbatch)"
-    if args.sft and importlib.util.find_spec("datasets") is None:
+    if args.sft and not _installed("datasets"):
         return "argument --sft: SFTDataset reads jsonl through the 'datasets' package, which is not installed"
     for path in _data_paths(args):
         if not is_object_storage_path(path):
@@ -139,9 +163,17 @@ def data_flag_problem(args) -> str | None:
                 "give --object-storage-cache-path for its cached index files"
             )
         package = OBJECT_STORAGE_PACKAGES[scheme]
-        if importlib.util.find_spec(package) is None:
+        if not _installed(package):
             return f"argument --data-path: {path} is read through the '{package}' package, which is not installed"
     return None
+
+
+def validate_data_args(args) -> None:
+    """Stop with one line (``error: argument --flag: reason``) when ``data_args_problem`` finds one;
+    run with Megatron's argument validation, before the tokenizer, the model or any dataset exists."""
+    why = data_args_problem(args)
+    if why:
+        raise SystemExit(f"error: {why}")
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -150,9 +182,6 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     With ``--multiple-validation-sets`` the validation entry is a list, one dataset per path.
     """
     args = get_args()
-    why = data_flag_problem(args)
-    if why:
-        raise SystemExit(f"error: {why}")
     config = dataset_config(args)
     cls = dataset_type(args)
     print_rank_0(f"> building train, validation, and test datasets for GPT ({cls.__name__}) ...")

@@ -43,12 +43,14 @@ def _validate_dmi_after_megatron() -> None:
     import megatron.training.initialize as mt_init
 
     from megatron.training.dmi.arguments import check_dmi_layout, validate_dmi_args
+    from megatron.training.dmi.dataset_provider import validate_data_args
 
     validate_args = mt_init.validate_args
 
     def validate(args, *a, **k):
         check_dmi_layout(args)
         out = validate_args(args, *a, **k)
+        validate_data_args(args)
         validate_dmi_args(args)
         return out
 

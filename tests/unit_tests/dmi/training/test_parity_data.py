@@ -9,6 +9,9 @@ through megatron's own parser and validate_args with the entry's argument defaul
 import argparse
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 
 import numpy
 import pytest
@@ -23,6 +26,7 @@ from megatron.training.datasets.sft_dataset import SFTDataset
 from megatron.core import rerun_state_machine as rerun
 from megatron.training import global_vars
 from megatron.training.dmi import dataset_provider, pretrain_gpt
+from tests.functional_tests.launch import REPO
 from tests.unit_tests.dmi.megatron_cpu import megatron_on_cpu
 
 SEQ, VOCAB = 16, 64
@@ -280,11 +284,28 @@ def test_forward_step_builds_no_schedule_plan_without_the_flag(use_args):
     ids=["sft-micro-batch-2", "sft-without-datasets", "s3-without-cache", "msc-without-cache", "s3-without-boto3"],
 )
 def test_data_flags_that_cannot_run_are_refused_in_one_line(use_args, argv, why):
-    use_args(*argv, *NULL_TOKENIZER)
+    args = use_args(*argv, *NULL_TOKENIZER)
     with pytest.raises(SystemExit) as refused:
-        build()
+        dataset_provider.validate_data_args(args)
     message = str(refused.value)
     assert message.startswith("error: argument --") and why in message and "\n" not in message
+
+
+@pytest.mark.skipif(_installed("transformers"), reason="transformers is installed")
+def test_the_default_tokenizer_without_transformers_stops_the_entry_at_start_up(tmp_path):
+    tiny = TINY + ["--mock-data", "--transformer-impl", "local", "--cpu-dev-mode"]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *tiny],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and "building GPT model" not in proc.stdout
+    assert last.startswith(
+        "error: argument --tokenizer-type: GPT2BPETokenizer needs the 'transformers' package, which is not installed"
+    )
 
 
 def test_loss_func_reports_the_summed_loss_and_token_count(use_args):
