@@ -114,18 +114,22 @@ def _check_loss(loss: torch.Tensor, args) -> None:
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor, model: GPTModel | None = None):
-    """The microbatch's summed token loss, its token count and the ``lm loss`` report.
-
-    ``model`` is what upstream hands its ModelOpt distillation loss; megatron.post_training is not
-    in the wheel, so the entry refuses ModelOpt flags and the model goes unused here.
-    """
+    """The microbatch's summed token loss, its token count and the ``lm loss`` report; with
+    ModelOpt enabled (its flags exist only where megatron.post_training is installed), ModelOpt's
+    loss, which reads the distillation losses off ``model``."""
     args = get_args()
-    losses = output_tensor.view(-1).float()
-    loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * loss_mask)
-    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    if getattr(args, "modelopt_enabled", False):
+        from megatron.post_training.loss_func import loss_func as modelopt_loss_func
+
+        loss, num_tokens, report = modelopt_loss_func(loss_mask, output_tensor, model=model)
+    else:
+        losses = output_tensor.view(-1).float()
+        loss_mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses * loss_mask)
+        num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+        report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
     _check_loss(loss, args)
-    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    return loss, num_tokens, report
 
 
 def forward_step(data_iterator, model: GPTModel, return_schedule_plan: bool = False):
