@@ -4,15 +4,10 @@ post-RoPE query and key (its inputs) and the context (its output), this rank's h
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.core.dmi.hooks.groups.base import Shards, first, publish
+from megatron.core.dmi.hooks.groups.base import Shards, SiteInstaller, first, publish
 from megatron.core.dmi.key import ParallelCoords
-
-if TYPE_CHECKING:
-    from megatron.core.dmi.hooks.install import HookSet
 
 GROUP = "attn"
 
@@ -22,7 +17,7 @@ def core_attention_of(module: TransformerLayer):
     return getattr(getattr(module, "self_attention", None), "core_attention", None)
 
 
-def layer_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) -> None:
+def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelCoords) -> None:
     """attn.context, attn.q and attn.k of one layer, from its core attention's inputs and output, and
     attn.out from its self-attention block's output."""
     core_attention = core_attention_of(module)

@@ -12,18 +12,32 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.dmi import catalog
-from megatron.core.dmi.capture import Placement
+from megatron.core.dmi.capture import Capture, Placement
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.key import ParallelCoords
 
-if TYPE_CHECKING:
-    from megatron.core.dmi.hooks.install import HookSet
+
+class SiteInstaller(Protocol):
+    """What a group's site functions use of the hook set installing them (``install.HookSet`` is the one):
+    a protocol here, so the group modules depend on no module above them."""
+
+    capture: Capture
+
+    def hold(self, handle) -> None:
+        """Keep a hook's removable handle until the hook set is removed."""
+
+    def placed(self, layer: int, group: str) -> None:
+        """Note that ``group`` has a site on global ``layer``."""
+
+    def wrap(self, obj: object, name: str, wrapper: Callable) -> None:
+        """Replace ``obj.name`` by ``wrapper`` until the hook set is removed."""
+
 
 # (the flag to change, why the selected outputs cannot be captured with it)
 Refusal = tuple[str, str]
@@ -129,7 +143,7 @@ class Shards:
 
 
 def publish(
-    hooks: HookSet,
+    hooks: SiteInstaller,
     layer: int,
     shards: Shards,
     rows: int,

@@ -3,25 +3,20 @@ output and the routing input fire in backward with their gradients."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.core.dmi import catalog
 from megatron.core.dmi.hooks.groups.attn import core_attention_of
-from megatron.core.dmi.hooks.groups.base import Shards, first
+from megatron.core.dmi.hooks.groups.base import Shards, SiteInstaller, first
 from megatron.core.dmi.key import ParallelCoords
-
-if TYPE_CHECKING:
-    from megatron.core.dmi.hooks.install import HookSet
 
 GROUP = "grad"
 
 
 def _watch_gradient(
-    hooks: HookSet,
+    hooks: SiteInstaller,
     layer_module: TransformerLayer,
     output: str,
     shards: Shards,
@@ -47,7 +42,7 @@ def _watch_gradient(
     tensor.register_hook(publish)
 
 
-def layer_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) -> None:
+def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelCoords) -> None:
     """Gradients of a forward output, each from a tensor hook set on the tensor in the forward (see
     Capture.gradient_firing for recompute): grad.resid_in on the layer's input (a pre-hook on the
     layer: an input-norm pre-hook would see the norm's own recompute, whose gradient misses the

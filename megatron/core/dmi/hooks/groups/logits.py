@@ -3,17 +3,12 @@ publishing its vocabulary shard."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from megatron.core.models.common.language_module.language_module import LanguageModule
 
 from megatron.core.dmi import catalog
-from megatron.core.dmi.hooks.groups.base import ModelFacts, Refusal, Shards, first, publish
+from megatron.core.dmi.hooks.groups.base import ModelFacts, Refusal, Shards, SiteInstaller, first, publish
 from megatron.core.dmi.key import ParallelCoords
-
-if TYPE_CHECKING:
-    from megatron.core.dmi.hooks.install import HookSet
 
 GROUP = "logits"
 
@@ -26,7 +21,7 @@ def refusal(outputs: frozenset[str], facts: ModelFacts) -> Refusal | None:
     return None
 
 
-def model_site(hooks: HookSet, model: LanguageModule, coords: ParallelCoords) -> None:
+def model_site(hooks: SiteInstaller, model: LanguageModule, coords: ParallelCoords) -> None:
     """logits.* published in the output layer's hook (the vocabulary-parallel cross entropy then
     overwrites the logits in place). The model's pre-hook hands the labels over; the first
     output-layer call of the forward takes them (``refusal`` rules out multi-token prediction)."""

@@ -3,21 +3,16 @@ the per-token loss [b, s]; the loss mask comes from the same call's arguments.""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from megatron.core.models.common.language_module.language_module import LanguageModule
 
-from megatron.core.dmi.hooks.groups.base import Shards, publish
+from megatron.core.dmi.hooks.groups.base import Shards, SiteInstaller, publish
 from megatron.core.dmi.key import ParallelCoords
-
-if TYPE_CHECKING:
-    from megatron.core.dmi.hooks.install import HookSet
 
 GROUP = "loss"
 
 
-def model_site(hooks: HookSet, model: LanguageModule, coords: ParallelCoords) -> None:
+def model_site(hooks: SiteInstaller, model: LanguageModule, coords: ParallelCoords) -> None:
     """loss.token on the last pipeline stage, with the loss_mask the forward step passed; every TP
     rank holds the same loss (the vocabulary-parallel cross entropy all-reduces), so TP rank 0
     publishes (producers "replicated")."""

@@ -13,16 +13,11 @@ depends on the token's experts on every rank, so the reader derives it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.core.dmi.hooks.groups.base import ModelFacts, Refusal, Shards, first, publish
+from megatron.core.dmi.hooks.groups.base import ModelFacts, Refusal, Shards, SiteInstaller, first, publish
 from megatron.core.dmi.key import ParallelCoords
-
-if TYPE_CHECKING:
-    from megatron.core.dmi.hooks.install import HookSet
 
 GROUP = "mlp"
 
@@ -67,7 +62,7 @@ def experts_unsupported(facts: ModelFacts) -> Refusal | None:
     return None
 
 
-def layer_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) -> None:
+def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelCoords) -> None:
     """mlp.out from a forward hook on the layer's MLP, mlp.shared from one on its shared expert, and
     mlp.experts (see ``_watch_experts``)."""
     layer = module.layer_number - 1
@@ -90,7 +85,9 @@ def layer_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords)
     hooks.placed(layer, GROUP)
 
 
-def _watch_experts(hooks: HookSet, module: TransformerLayer, experts: torch.nn.Module, coords: ParallelCoords) -> None:
+def _watch_experts(
+    hooks: SiteInstaller, module: TransformerLayer, experts: torch.nn.Module, coords: ParallelCoords
+) -> None:
     """mlp.experts: every rank publishes rows no other rank publishes; a firing with no rows still
     publishes its empty record, so the record counts do not depend on the routing.
 

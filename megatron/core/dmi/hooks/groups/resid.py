@@ -3,22 +3,17 @@ last layer's output at the block's final norm, and the routers' weights once per
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.core.dmi.hooks.groups.base import Shards, publish
+from megatron.core.dmi.hooks.groups.base import Shards, SiteInstaller, publish
 from megatron.core.dmi.key import ParallelCoords
-
-if TYPE_CHECKING:
-    from megatron.core.dmi.hooks.install import HookSet
 
 GROUP = "resid"
 
 
-def layer_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) -> None:
+def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelCoords) -> None:
     """resid.in from a forward pre-hook on the layer's input norm (IdentityOp when the norm is fused
     into the QKV projection)."""
     # The layer's own pre-hook would not fire when megatron-core replays the layer as a CUDA graph;
@@ -33,7 +28,7 @@ def layer_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords)
     hooks.placed(layer, GROUP)
 
 
-def block_site(hooks: HookSet, block: TransformerBlock, coords: ParallelCoords) -> None:
+def block_site(hooks: SiteInstaller, block: TransformerBlock, coords: ParallelCoords) -> None:
     """resid.out at the final norm of the block holding the model's last layer, and router.weight of
     the block's MoE layers once per iteration (microbatch 0; producers "one": the router weight is
     replicated over TP, EP and DP)."""

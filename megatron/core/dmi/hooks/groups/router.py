@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING
 
 import megatron.core.transformer.moe.router as mcore_router
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.core.dmi.hooks.groups.base import ModelFacts, Refusal, Shards, publish
+from megatron.core.dmi.hooks.groups.base import ModelFacts, Refusal, Shards, SiteInstaller, publish
 from megatron.core.dmi.key import ParallelCoords
 from megatron.core.dmi.transport import abi, jit
-
-if TYPE_CHECKING:
-    from megatron.core.dmi.hooks.install import HookSet
 
 GROUP = "router"
 
@@ -139,7 +135,7 @@ def refusal(outputs: frozenset[str], facts: ModelFacts) -> Refusal | None:
     return None
 
 
-def layer_site(hooks: HookSet, module: TransformerLayer, coords: ParallelCoords) -> None:
+def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelCoords) -> None:
     """router.* of one MoE layer: its TopKRouter's ``routing`` wrapped until ``HookSet.remove``."""
     router = getattr(getattr(module, "mlp", None), "router", None)
     if not isinstance(router, TopKRouter):
