@@ -39,6 +39,7 @@ from megatron.core.dmi.capture import GATE_ORIGINAL, Capture
 from megatron.core.dmi.catalog import check_graph_support
 from megatron.core.dmi.config import DMIConfig, check_run_id
 from megatron.core.dmi.drain import Drain
+from megatron.core.dmi.errors import UnsupportedOperationError
 from megatron.core.dmi.hooks.install import HookSet, rank_coords
 from megatron.core.dmi.sinks import RunInfo, open_sink
 from megatron.core.dmi.sinks.base import SinkReport
@@ -157,7 +158,7 @@ class DMISession:
         # carry the step, set on the stream before every forward.
         self._device_context = cuda_graphs
         if cuda_graphs and not hasattr(self.transport, "publish_site"):
-            raise RuntimeError(
+            raise UnsupportedOperationError(
                 "DMI: CUDA graphs need the native transport, which could not be built here "
                 "(run `megatron-dmi doctor --build`)"
             )

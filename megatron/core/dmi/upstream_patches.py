@@ -27,6 +27,8 @@ import importlib
 import inspect
 from dataclasses import dataclass
 
+from megatron.core.dmi.errors import InvalidArgumentError
+
 _CPU = "megatron.core.dmi.cpu_mode"
 _ENTRY = "megatron.training.dmi.entry"
 _RUNTIME = "megatron.training.dmi.runtime"
@@ -198,7 +200,7 @@ def install(group: str) -> None:
         ValueError: ``group`` is not one of ``GROUPS``.
     """
     if group not in GROUPS:
-        raise ValueError(f"unknown group {group!r}; the groups are {', '.join(GROUPS)}")
+        raise InvalidArgumentError(f"unknown group {group!r}; the groups are {', '.join(GROUPS)}")
     if installed(group):
         return
     for target in TARGETS:

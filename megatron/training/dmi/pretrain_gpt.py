@@ -32,6 +32,7 @@ from megatron.training.utils import (
     is_first_or_last_pipeline_stage,
 )
 
+from megatron.core.dmi.errors import InvalidArgumentError
 from megatron.training import get_args, get_timers, inprocess_restart, pretrain
 from megatron.training.dmi import dataset_provider, entry, model_flags
 from megatron.training.dmi.dataset_provider import has_mtp_layers, train_valid_test_datasets_provider
@@ -147,7 +148,7 @@ def forward_step(data_iterator, model: GPTModel, return_schedule_plan: bool = Fa
     with stimer:
         if return_schedule_plan:
             if not args.overlap_moe_expert_parallel_comm:
-                raise ValueError("a schedule plan is built only with --overlap-moe-expert-parallel-comm")
+                raise InvalidArgumentError("a schedule plan is built only with --overlap-moe-expert-parallel-comm")
             plan = model.build_schedule_plan(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
             return plan, loss
         output_tensor = model(

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megatron.core.dmi.errors import InvalidArgumentError
+from megatron.core.dmi.errors import InvalidArgumentError, UnsupportedOperationError
 from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.records import table_nbytes
 from megatron.core.dmi.sinks.base import Sink
@@ -315,10 +315,10 @@ class _BufferedSink(DMISink):
             return False
 
     def _emit_records(self, table: pa.Table, n: int, nbytes: int) -> None:
-        raise NotImplementedError
+        raise UnsupportedOperationError(f"{type(self).__name__} emits no records")
 
     def _emit_meta(self, kind: str, table: pa.Table) -> None:
-        raise NotImplementedError
+        raise UnsupportedOperationError(f"{type(self).__name__} emits no {kind} rows")
 
 
 class SpoolSink(_BufferedSink):

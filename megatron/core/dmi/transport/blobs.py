@@ -15,6 +15,8 @@ import threading
 import numpy as np
 import pyarrow as pa
 
+from megatron.core.dmi.errors import InvalidArgumentError
+
 
 class BlobLease:
     """One pooled buffer, lent until this object (and every Arrow buffer made from it) is gone."""
@@ -29,7 +31,7 @@ class BlobLease:
     def buffer(self, size: int) -> pa.Buffer:
         """The first ``size`` bytes as an Arrow buffer that keeps this lease alive."""
         if not 0 <= size <= self.nbytes:
-            raise ValueError(f"{size} bytes asked of a {self.nbytes}-byte buffer")
+            raise InvalidArgumentError(f"{size} bytes asked of a {self.nbytes}-byte buffer")
         return pa.foreign_buffer(self.address, size, base=self)
 
     def __del__(self):
