@@ -155,7 +155,7 @@ def _wrap_train_loop() -> None:
         from megatron.training import get_args
 
         runtime = None
-        if get_args().dmi_hooks:  # with no DMI flag, nothing of DMI is imported or installed
+        if get_args().dmi_hooks or get_args().dmi_replay_routing:  # with no DMI flag, nothing of DMI is imported
             from megatron.training.dmi.runtime import DMIRuntime
 
             runtime = DMIRuntime.start(model)
