@@ -35,9 +35,7 @@ def check_facts(stored: dict, wanted: dict, run: str) -> None:
     """Raise ReplaySourceError naming the first fact of ``MATCHED_FACTS`` that differs."""
     for name, what in MATCHED_FACTS:
         if name in wanted and stored.get(name) != wanted[name]:
-            raise ReplaySourceError(
-                f"stored run {run} has {what} {stored.get(name)!r}, this run {wanted[name]!r}"
-            )
+            raise ReplaySourceError(f"stored run {run} has {what} {stored.get(name)!r}, this run {wanted[name]!r}")
 
 
 def source_microbatch(request: ReplayRequest, microbatch: int, source_dp_size: int) -> tuple[int, int]:
@@ -91,7 +89,9 @@ def extract(request: ReplayRequest, out: str) -> dict:
                     for j, layer in enumerate(request.layers):
                         ids = store.tensor(run, OUTPUT, it, src_mb, layer, dp=src_dp)
                         if tuple(ids.shape) != (tokens, topk):
-                            raise ReconstructionError(f"{OUTPUT} has shape {tuple(ids.shape)}, expected {(tokens, topk)}")
+                            raise ReconstructionError(
+                                f"{OUTPUT} has shape {tuple(ids.shape)}, expected {(tokens, topk)}"
+                            )
                         if int(ids.max()) >= experts:
                             raise ReplaySourceError(
                                 f"stored run {run} dropped routes by capacity at iteration {it} layer {layer} "

@@ -21,7 +21,9 @@ def _with(args: list[str], flag: str, value: str) -> list[str]:
 def _train(tmp_path_factory, name: str, extra: list[str], seed: str = "1234") -> dict:
     tmp = str(tmp_path_factory.mktemp(name))
     store = os.path.join(tmp, "store")
-    proc = run_pretrain(_with(tiny_moe_args(), "--seed", seed) + HOOKS + ["--dmi-store-dir", store] + extra, tmp, oracle=False)
+    proc = run_pretrain(
+        _with(tiny_moe_args(), "--seed", seed) + HOOKS + ["--dmi-store-dir", store] + extra, tmp, oracle=False
+    )
     dump = dump_store(store, tmp)
     dump["log"] = proc.stdout + proc.stderr
     dump["store"] = store
