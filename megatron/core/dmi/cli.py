@@ -23,7 +23,11 @@ from collections.abc import Callable
 SetupFn = Callable[[argparse.ArgumentParser], None]
 _COMMANDS: dict[str, tuple[SetupFn, str]] = {}
 # Modules that register more subcommands when imported (missing ones are skipped).
-EXTRA_COMMAND_MODULES = ["megatron.core.dmi.doctor", "megatron.core.dmi.reader.watch"]
+EXTRA_COMMAND_MODULES = [
+    "megatron.core.dmi.doctor",
+    "megatron.core.dmi.reader.watch",
+    "megatron.core.dmi.reader.routing_diff",
+]
 
 
 def add_subcommand(name: str, setup: SetupFn, help: str) -> None:

@@ -3,12 +3,25 @@ routing, others replay it with --dmi-replay-routing and record their own."""
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from tests.functional_tests.launch import dump_store, run_pretrain, tiny_moe_args
+from megatron.core.dmi.reader.routing_diff import expert_sets_of, routing_diff
+from megatron.core.dmi.replay.request import ReplayRequest
+from tests.functional_tests.launch import REPO, dump_store, run_pretrain, tiny_moe_args
 
+# examples/tiny_moe_args.sh's model, by the names of the stored model summary
+TINY_FACTS = {
+    "num_layers": 2,
+    "num_moe_experts": 4,
+    "moe_router_topk": 2,
+    "seq_length": 32,
+    "micro_batch_size": 2,
+    "global_batch_size": 4,
+}
 HOOKS = ["--dmi-hooks", "router.topk_ids,loss.token", "--dmi-persist", "clickhouse"]
 
 
@@ -73,3 +86,109 @@ def test_another_seed_follows_the_stored_routing(source, other_seed):
 def test_log_line_and_report_count_replayed_microbatches(self_replay):
     assert "routing replayed from run" in self_replay["log"]
     assert re.search(r"routing replayed from run \S+: 8 microbatches, fallbacks to live: 0", self_replay["log"])
+
+
+def _extract(tmp_path, source: dict, run: str | None, layers=(0, 1), **fact_changes):
+    """The extraction subprocess as a training rank runs it: (status, stderr)."""
+    facts = {**TINY_FACTS, **fact_changes}
+    request = ReplayRequest(source["store"], run, list(layers), 0, 1, 0, 1, False, 2, facts)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron.core.dmi.replay.extract", str(tmp_path / "out.npy")],
+        input=request.to_json(),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    return proc.returncode, proc.stderr.strip()
+
+
+def test_extraction_refuses_a_run_that_does_not_exist(tmp_path, source):
+    status, err = _extract(tmp_path, source, "no-such-run")
+    assert status == 2 and err.startswith("error: no run 'no-such-run'") and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    "changes, what",
+    [
+        ({"num_moe_experts": 8}, "number of experts 4, this run 8"),
+        ({"moe_router_topk": 1}, "top-k 2, this run 1"),
+        ({"seq_length": 16}, "sequence length 32, this run 16"),
+        ({"micro_batch_size": 1}, "micro batch size 2, this run 1"),
+        ({"global_batch_size": 8}, "global batch size 4, this run 8"),
+        ({"num_layers": 4}, "number of layers 2, this run 4"),
+    ],
+)
+def test_extraction_names_the_fact_that_differs(tmp_path, source, changes, what):
+    status, err = _extract(tmp_path, source, None, **changes)
+    assert status == 2 and what in err and "\n" not in err
+
+
+def test_extraction_refuses_a_store_without_the_layers_or_runs(tmp_path, source):
+    status, err = _extract(tmp_path, source, None)
+    assert status == 0, err  # the source holds them
+    status, err = _extract(tmp_path, source, None, layers=(0, 1, 5))
+    assert status == 2 and "no router.topk_ids for layer(s) 5 (recorded layers: 0, 1)" in err
+    bare = dict(source, store=str(tmp_path / "empty"))
+    os.makedirs(bare["store"])
+    status, err = _extract(tmp_path, bare, None)
+    assert status == 2 and "holds no runs" in err
+
+
+def test_a_mismatch_stops_training_before_the_first_step(tmp_path_factory, source):
+    tmp = str(tmp_path_factory.mktemp("mismatch"))
+    args = _with(tiny_moe_args(), "--moe-router-topk", "1") + ["--dmi-replay-routing", source["store"]]
+    proc = run_pretrain(args, tmp, oracle=False, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "top-k 2, this run 1" in out and "iteration        1/" not in out
+
+
+def test_an_iteration_the_source_lacks_stops_by_default(tmp_path_factory, source):
+    tmp = str(tmp_path_factory.mktemp("longer"))
+    args = _with(tiny_moe_args(), "--train-iters", "5") + ["--dmi-replay-routing", source["store"]]
+    proc = run_pretrain(args, tmp, oracle=False, check=False)
+    assert proc.returncode != 0 and "no usable routing for iteration 5 (not captured)" in proc.stdout + proc.stderr
+
+
+def test_the_live_policy_routes_missing_iterations_live_and_counts_them(tmp_path_factory, source):
+    tmp = str(tmp_path_factory.mktemp("fallback"))
+    args = _with(tiny_moe_args(), "--train-iters", "5")
+    args += ["--dmi-replay-routing", source["store"], "--dmi-replay-missing", "live"]
+    out = run_pretrain(args, tmp, oracle=False).stdout
+    assert re.search(r"DMI \|.*fallbacks to live: 0 \|", out)  # iterations 1-4 replayed
+    assert re.search(r"routing replayed from run \S+: 8 microbatches, fallbacks to live: 2", out)
+
+
+def test_routing_diff_is_zero_against_a_replay_and_not_against_live_routing(source, self_replay, other_seed):
+    _, live = other_seed
+    run_id, sets = expert_sets_of(source["store"])
+    assert run_id == source["run_id"] and len(sets) == 2 * 2 * 4
+    same = routing_diff(sets, expert_sets_of(self_replay["store"])[1])
+    assert len(same) == 2 * 4 and same["differing"].sum() == 0 and set(same["tokens"]) == {2 * 2 * 32}
+    live_diff = routing_diff(sets, expert_sets_of(live["store"])[1])
+    assert live_diff["differing"].sum() > 0 and live_diff["share"].between(0, 1).all()
+
+
+def test_routing_diff_command_prints_the_share_per_layer_and_iteration(source, other_seed):
+    replayed, _ = other_seed
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron.core.dmi",
+            "routing-diff",
+            source["store"],
+            replayed["store"] + "@" + replayed["run_id"],
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "share of tokens whose expert set differs" in out.stdout and "overall: 0 of 1024 tokens" in out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "megatron.core.dmi", "routing-diff", source["store"], source["store"] + "@nope"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert bad.returncode == 2 and "no run 'nope'" in bad.stderr
