@@ -256,7 +256,7 @@ class DMISession:
         self._microbatch[id(inner)] = microbatch + 1
         self.capture.set_microbatch(microbatch)
         if self.replay is not None:
-            self.replay.before_forward(step[0], step[1], microbatch)
+            self.replay.before_forward(step[0], step[1], microbatch, self._chunks[id(inner)])
         if self._device_context and self.capture.step.active:
             self.transport.set_context(
                 iteration=step[1], microbatch=microbatch, attempt=self.attempt, phase=step[0], invocation=0
@@ -313,9 +313,9 @@ class DMISession:
         self._closed = True
         self.flush()
         self.drain.close()
-        self.hooks.remove()
-        if self.replay is not None:
+        if self.replay is not None:  # before the hooks: it wrapped the routers after them
             self.replay.close()
+        self.hooks.remove()
         self.transport.close()
         ingester = getattr(self.sink, "is_ingester", False)
         report = None if ingester else self.sink.close()

@@ -187,11 +187,6 @@ def check_dmi_layout(args: argparse.Namespace) -> None:
 _REPLAY_REFUSALS = (
     ("--num-experts", lambda a: not a.num_experts, "routing replay needs a MoE model"),
     (
-        "--recompute-granularity",
-        lambda a: a.recompute_granularity is not None,
-        "activation recompute under routing replay (REPLAY_BACKWARD) is not supported yet",
-    ),
-    (
         "--cuda-graph-impl",
         lambda a: getattr(a, "cuda_graph_impl", "none") != "none",
         "routing replay under CUDA graphs is not supported yet",

@@ -1,10 +1,16 @@
-"""Replay stored routing through megatron-core's ``RouterReplay`` (REPLAY_FORWARD).
+"""Replay stored routing through megatron-core's ``RouterReplay`` (REPLAY_FORWARD, REPLAY_BACKWARD).
 
 Each of this rank's ``TopKRouter``s gets a ``RouterReplay`` (what ``moe_enable_routing_replay``
 would have built); before every training forward the session hands each one the stored top-k of
-that (iteration, microbatch, layer). The router still computes its scores from the live weights
-and gathers them at the replayed experts, so gradients reach it; capacity dropping, when
-configured, is then decided afresh from the replayed choice.
+that (iteration, microbatch, layer). The router still computes its scores from the live weights and
+gathers them at the replayed experts, so gradients reach it; capacity dropping, when configured, is
+then decided afresh from the replayed choice.
+
+Recompute: ``set_target_indices`` also queues the ids for the backward pass. A forward that runs
+without grad (inside an activation checkpoint) leaves them queued, and its recompute, which runs
+inside autograd's backward, takes them (REPLAY_BACKWARD: a FIFO per router, the order in which a
+schedule runs one chunk's backwards); a forward with grad will not be recomputed, so its entry is
+taken off the queue at once. Each queued selection is thus replayed exactly once more, or never.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from megatron.core.dmi.capture import inside_backward
 from megatron.core.dmi.replay.request import (
     ReplayMissingError,
     ReplayRequest,
@@ -34,21 +41,23 @@ from megatron.core.dmi.replay.request import (
 MissingPolicy = Literal["error", "live"]
 
 
-def routers_of(chunks: Iterable[torch.nn.Module]) -> dict[int, TopKRouter]:
-    """Global 0-based layer -> its TopKRouter, over every MoE layer of ``chunks``."""
+def routers_of(chunks: Iterable[torch.nn.Module]) -> dict[int, tuple[int, TopKRouter]]:
+    """Global 0-based layer -> (its chunk's index, its TopKRouter), over every MoE layer of ``chunks``."""
     out = {}
-    for chunk in chunks:
+    for vpp, chunk in enumerate(chunks):
         for module in chunk.modules():
             router = getattr(getattr(module, "mlp", None), "router", None)
             if isinstance(module, TransformerLayer) and isinstance(router, TopKRouter):
-                out[module.layer_number - 1] = router
+                out[module.layer_number - 1] = (vpp, router)
     return out
 
 
 class RoutingReplay:
     """This rank's replay: the extracted selection (memory-mapped) and one RouterReplay per router."""
 
-    def __init__(self, source: str, on_missing: MissingPolicy, routers: dict[int, TopKRouter], request: ReplayRequest):
+    def __init__(
+        self, source: str, on_missing: MissingPolicy, routers: dict[int, tuple[int, TopKRouter]], request: ReplayRequest
+    ):
         """Extract this rank's routing of ``source`` (``STORE[@RUN]``) in a subprocess and attach replay
         to ``routers``. Raises ReplaySourceError naming what differs between the stored run and this one."""
         self.on_missing = on_missing
@@ -72,12 +81,39 @@ class RoutingReplay:
         self.unusable = {int(k): v for k, v in index["unusable"].items()}
         self._row = {it: i for i, it in enumerate(index["iterations"])}
         self._data = np.load(out, mmap_mode="r")
-        self._replays = []
+        self.recomputed = 0  # router forwards replayed inside a backward pass (REPLAY_BACKWARD)
+        self._replays = []  # (chunk index, RouterReplay) in the order of self.layers
+        self._wrapped = []
         for layer in self.layers:
-            router = routers[layer]
+            vpp, router = routers[layer]
             if router.router_replay is None:
                 router.router_replay = RouterReplay()
-            self._replays.append(router.router_replay)
+            self._replays.append((vpp, router.router_replay))
+            self._wrap_routing(router)
+
+    def _wrap_routing(self, router: TopKRouter) -> None:
+        original = router.routing
+        replay = router.router_replay
+
+        def routing(*args, **kwargs):
+            action = replay.router_replay_action
+            if action is None:
+                return original(*args, **kwargs)
+            if inside_backward():  # a recompute: its original forward queued the ids
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+                try:
+                    out = original(*args, **kwargs)
+                finally:
+                    replay.set_router_replay_action(action)
+                self.recomputed += 1
+                return out
+            out = original(*args, **kwargs)
+            if torch.is_grad_enabled():  # not inside a checkpoint: no recompute will take the queued ids
+                replay.replay_backward_list.pop()
+            return out
+
+        self._wrapped.append((router, "routing" in vars(router), vars(router).get("routing")))
+        router.routing = routing
 
     @classmethod
     def start(
@@ -109,17 +145,18 @@ class RoutingReplay:
         )
         return cls(source, on_missing, routers, request)
 
-    def before_forward(self, phase: str, iteration: int, microbatch: int) -> None:
-        """Hand every router the stored selection of (``iteration``, ``microbatch``); evaluation
-        forwards and, under the ``live`` policy, iterations the stored run lacks are routed live."""
+    def before_forward(self, phase: str, iteration: int, microbatch: int, vpp: int = 0) -> None:
+        """Hand the routers of chunk ``vpp`` the stored selection of (``iteration``, ``microbatch``);
+        evaluation forwards and, under the ``live`` policy, iterations the stored run lacks are routed live."""
         row = self._row.get(iteration) if phase == "train" else None
         if row is None:
             if phase == "train":
                 self._missing(iteration)
             self.stop()
             return
-        for j, replay in enumerate(self._replays):
-            replay.clear_indices()
+        for j, (chunk, replay) in enumerate(self._replays):
+            if chunk != vpp:
+                continue
             replay.set_target_indices(torch.from_numpy(np.array(self._data[row, microbatch, j])))
             replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         self.replayed += 1
@@ -134,18 +171,28 @@ class RoutingReplay:
         self.fallbacks += 1
 
     def stop(self) -> None:
-        """Route live from now on (until the next ``before_forward`` with stored routing)."""
-        for replay in self._replays:
+        """Route live from now on (until the next ``before_forward`` with stored routing); the ids
+        queued for pending recomputes stay."""
+        for _, replay in self._replays:
             replay.clear_router_replay_action()
-            replay.clear_indices()
 
     @property
     def status(self) -> str:
         """The replay's part of DMI's log line and report."""
-        return f"routing replayed from run {self.run_id}: {self.replayed} microbatches, fallbacks to live: {self.fallbacks}"
+        return (
+            f"routing replayed from run {self.run_id}: {self.replayed} microbatches, "
+            f"{self.recomputed} recomputed router forwards, fallbacks to live: {self.fallbacks}"
+        )
 
     def close(self) -> None:
-        """Route live and delete the extracted file."""
+        """Route live, restore the routers' ``routing`` and delete the extracted file."""
         self.stop()
+        for _, replay in self._replays:
+            replay.clear_indices()
+        for router, had_own, own in reversed(self._wrapped):
+            if had_own:
+                router.routing = own
+            else:
+                del router.routing
         self._data = None
         self._workdir.cleanup()

@@ -14,7 +14,6 @@ def _args(tmp_path, **changes) -> argparse.Namespace:
     values = dict(
         dmi_replay_routing=str(tmp_path),
         num_experts=4,
-        recompute_granularity=None,
         cuda_graph_impl="none",
         moe_router_fusion=False,
         moe_router_load_balancing_type="aux_loss",
@@ -29,8 +28,6 @@ def _args(tmp_path, **changes) -> argparse.Namespace:
     "changes, flag",
     [
         ({"num_experts": None}, "--num-experts"),
-        ({"recompute_granularity": "full"}, "--recompute-granularity"),
-        ({"recompute_granularity": "selective"}, "--recompute-granularity"),
         ({"cuda_graph_impl": "local"}, "--cuda-graph-impl"),
         ({"moe_router_fusion": True}, "--moe-router-fusion"),
         ({"moe_router_load_balancing_type": "sinkhorn"}, "--moe-router-load-balancing-type"),

@@ -85,7 +85,10 @@ def test_another_seed_follows_the_stored_routing(source, other_seed):
 
 def test_log_line_and_report_count_replayed_microbatches(self_replay):
     assert "routing replayed from run" in self_replay["log"]
-    assert re.search(r"routing replayed from run \S+: 8 microbatches, fallbacks to live: 0", self_replay["log"])
+    assert re.search(
+        r"routing replayed from run \S+: 8 microbatches, 0 recomputed router forwards, fallbacks to live: 0",
+        self_replay["log"],
+    )
 
 
 def _extract(tmp_path, source: dict, run: str | None, layers=(0, 1), **fact_changes):
@@ -155,7 +158,9 @@ def test_the_live_policy_routes_missing_iterations_live_and_counts_them(tmp_path
     args += ["--dmi-replay-routing", source["store"], "--dmi-replay-missing", "live"]
     out = run_pretrain(args, tmp, oracle=False).stdout
     assert re.search(r"DMI \|.*fallbacks to live: 0 \|", out)  # iterations 1-4 replayed
-    assert re.search(r"routing replayed from run \S+: 8 microbatches, fallbacks to live: 2", out)
+    assert re.search(
+        r"routing replayed from run \S+: 8 microbatches, 0 recomputed router forwards, fallbacks to live: 2", out
+    )
 
 
 def test_routing_diff_is_zero_against_a_replay_and_not_against_live_routing(source, self_replay, other_seed):
@@ -192,3 +197,34 @@ def test_routing_diff_command_prints_the_share_per_layer_and_iteration(source, o
         cwd=REPO,
     )
     assert bad.returncode == 2 and "no run 'nope'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "recompute",
+    [
+        ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+        ["--recompute-granularity", "selective", "--recompute-modules", "moe"],
+    ],
+    ids=["full", "selective-moe"],
+)
+def test_recompute_replays_each_selection_once_more(tmp_path_factory, source, recompute):
+    """Every router forward is recomputed in the backward pass (REPLAY_BACKWARD), exactly once."""
+    replayed = _train(tmp_path_factory, "recompute", ["--dmi-replay-routing", source["store"], *recompute])
+    assert _equal(_outputs(replayed, "router.topk_ids"), _outputs(source, "router.topk_ids"))
+    assert _equal(_outputs(replayed, "loss.token"), _outputs(source, "loss.token"))
+    assert re.search(r"8 microbatches, 16 recomputed router forwards, fallbacks to live: 0", replayed["log"])
+
+
+def test_capacity_dropping_is_decided_afresh_from_the_replayed_choice(tmp_path_factory, source):
+    replayed = _train(
+        tmp_path_factory, "capacity", ["--dmi-replay-routing", source["store"], "--moe-expert-capacity-factor", "0.5"]
+    )
+    stored, sources = _outputs(replayed, "router.topk_ids"), _outputs(source, "router.topk_ids")
+    assert stored.keys() == sources.keys()
+    dropped = 0
+    for key, ids in stored.items():
+        kept = ids < 4  # the sentinel E = 4 marks a dropped slot
+        dropped += int((~kept).sum())
+        for token in range(ids.shape[0]):  # what was kept is what the source chose
+            assert set(ids[token][kept[token]].tolist()) <= set(sources[key][token].tolist())
+    assert dropped > 0
