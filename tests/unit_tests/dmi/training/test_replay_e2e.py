@@ -68,6 +68,11 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _same_sets(a: dict, b: dict) -> bool:
+    """Every token's expert set equal (router.topk_ids orders a token's slots by the run's own probabilities)."""
+    return a.keys() == b.keys() and all(torch.equal(a[k].sort(1).values, b[k].sort(1).values) for k in a)
+
+
 def test_self_replay_gives_the_source_ids_and_bitwise_losses(source, self_replay):
     ids = _outputs(source, "router.topk_ids")
     assert len(ids) == 2 * 2 * 4  # layers x microbatches x iterations
@@ -78,8 +83,8 @@ def test_self_replay_gives_the_source_ids_and_bitwise_losses(source, self_replay
 
 def test_another_seed_follows_the_stored_routing(source, other_seed):
     replayed, live = other_seed
-    assert _equal(_outputs(replayed, "router.topk_ids"), _outputs(source, "router.topk_ids"))
-    assert not _equal(_outputs(live, "router.topk_ids"), _outputs(source, "router.topk_ids"))
+    assert _same_sets(_outputs(replayed, "router.topk_ids"), _outputs(source, "router.topk_ids"))
+    assert not _same_sets(_outputs(live, "router.topk_ids"), _outputs(source, "router.topk_ids"))
     assert not _equal(_outputs(replayed, "loss.token"), _outputs(live, "loss.token"))
 
 

@@ -22,12 +22,17 @@ def _train(tmp_path_factory, name: str, extra: list[str], nproc: int = 1) -> dic
 
 
 def _ids(dump: dict) -> dict:
-    """(iteration, microbatch, layer, dp) -> router.topk_ids."""
+    """(iteration, microbatch, layer, dp) -> router.topk_ids, each token's expert set sorted."""
     return {
-        (k[1], k[2], k[3], k[6]): v
+        (k[1], k[2], k[3], k[6]): v.sort(1).values
         for k, v in dump["tensors"].items()
         if k[0] == "train" and k[4] == "router.topk_ids" and k[5] == 0
     }
+
+
+def _replayed(tmp_path_factory, name: str, source: dict, layout: list[str]) -> dict:
+    """The ids stored by a two-process run in ``layout`` that replays ``source``."""
+    return _ids(_train(tmp_path_factory, name, [*layout, "--dmi-replay-routing", source["store"]], nproc=2))
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +56,7 @@ def test_record_ep2_replay_tp1(tmp_path_factory, ep2):
 
 def test_record_tp1_replay_ep2(tmp_path_factory, tp1):
     source = _ids(tp1)
-    replayed = _ids(
-        _train(
-            tmp_path_factory,
-            "tp1-to-ep2",
-            ["--expert-model-parallel-size", "2", "--dmi-replay-routing", tp1["store"]],
-            nproc=2,
-        )
-    )
+    replayed = _replayed(tmp_path_factory, "tp1-to-ep2", tp1, ["--expert-model-parallel-size", "2"])
     assert len(source) == len(replayed) == LAYERS * ITERS * 2
     for (it, mb, layer, dp), ids in replayed.items():
         assert mb == 0 and torch.equal(ids, source[(it, dp, layer, 0)]), (it, dp, layer)
@@ -66,14 +64,7 @@ def test_record_tp1_replay_ep2(tmp_path_factory, tp1):
 
 def test_record_tp1_replay_pp2(tmp_path_factory, tp1):
     """Each pipeline stage extracts only its own layer."""
-    replayed = _ids(
-        _train(
-            tmp_path_factory,
-            "tp1-to-pp2",
-            ["--pipeline-model-parallel-size", "2", "--dmi-replay-routing", tp1["store"]],
-            nproc=2,
-        )
-    )
+    replayed = _replayed(tmp_path_factory, "tp1-to-pp2", tp1, ["--pipeline-model-parallel-size", "2"])
     source = _ids(tp1)
     assert replayed.keys() == source.keys()
     assert all(torch.equal(replayed[k], source[k]) for k in source)
