@@ -62,9 +62,15 @@ def test_record_tp1_replay_ep2(tmp_path_factory, tp1):
         assert mb == 0 and torch.equal(ids, source[(it, dp, layer, 0)]), (it, dp, layer)
 
 
-def test_record_tp1_replay_pp2(tmp_path_factory, tp1):
-    """Each pipeline stage extracts only its own layer."""
-    replayed = _replayed(tmp_path_factory, "tp1-to-pp2", tp1, ["--pipeline-model-parallel-size", "2"])
+@pytest.mark.parametrize(
+    "layout",
+    [["--pipeline-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
+    ids=["pp2", "tp2-sp"],
+)
+def test_record_tp1_replay_in_another_layout(tmp_path_factory, tp1, layout):
+    """Each pipeline stage extracts only its own layer; each tensor-parallel rank under sequence
+    parallelism only its own sequence shard of every microbatch."""
+    replayed = _replayed(tmp_path_factory, "tp1-to-" + "-".join(layout).replace("--", ""), tp1, layout)
     source = _ids(tp1)
     assert replayed.keys() == source.keys()
     assert all(torch.equal(replayed[k], source[k]) for k in source)
