@@ -9,11 +9,15 @@ from dataclasses import asdict, dataclass, field
 from megatron.core.dmi.errors import DMIError
 
 
-class ReplaySourceError(DMIError, ValueError):
+class ReplayError(DMIError):
+    """Routing replay cannot go on: the training entry stops with its one-line message."""
+
+
+class ReplaySourceError(ReplayError, ValueError):
     """The stored run cannot be replayed by this run (the message names what differs)."""
 
 
-class ReplayMissingError(DMIError, RuntimeError):
+class ReplayMissingError(ReplayError, RuntimeError):
     """The replaying run reached an iteration the stored run holds no routing for."""
 
 

@@ -149,14 +149,19 @@ def test_a_mismatch_stops_training_before_the_first_step(tmp_path_factory, sourc
     args = _with(tiny_moe_args(), "--global-batch-size", "8") + ["--dmi-replay-routing", source["store"]]
     proc = run_pretrain(args, tmp, oracle=False, check=False)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "global batch size 4, this run 8" in out and "iteration        1/" not in out
+    assert proc.returncode != 0 and "iteration        1/" not in out and "Traceback" not in out
+    assert "error: --dmi-replay-routing " in out and "global batch size 4, this run 8" in out
 
 
 def test_an_iteration_the_source_lacks_stops_by_default(tmp_path_factory, source):
     tmp = str(tmp_path_factory.mktemp("longer"))
     args = _with(tiny_moe_args(), "--train-iters", "5") + ["--dmi-replay-routing", source["store"]]
     proc = run_pretrain(args, tmp, oracle=False, check=False)
-    assert proc.returncode != 0 and "no usable routing for iteration 5 (not captured)" in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out
+    assert (
+        "error: --dmi-replay-routing: stored run" in out and "no usable routing for iteration 5 (not captured)" in out
+    )
 
 
 def test_the_live_policy_routes_missing_iterations_live_and_counts_them(tmp_path_factory, source):
