@@ -74,3 +74,13 @@ def test_record_tp1_replay_in_another_layout(tmp_path_factory, tp1, layout):
     source = _ids(tp1)
     assert replayed.keys() == source.keys()
     assert all(torch.equal(replayed[k], source[k]) for k in source)
+
+
+def test_record_tp1_replay_pp2_with_virtual_stages(tmp_path_factory):
+    """Four layers, two stages of two virtual chunks: each chunk's routers take the ids of that chunk's microbatch."""
+    four = ["--num-layers", "4"]
+    source = _train(tmp_path_factory, "tp1-4layers", four)
+    vpp = [*four, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    replayed = _replayed(tmp_path_factory, "tp1-to-pp2-vpp2", source, vpp)
+    assert replayed.keys() == _ids(source).keys() and len(replayed) == 4 * ITERS * 2
+    assert all(torch.equal(replayed[k], _ids(source)[k]) for k in replayed)
