@@ -18,7 +18,8 @@ import numpy as np
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.replay.request import ReplayRequest, ReplaySourceError, index_path
 
-OUTPUT = "router.topk_ids"
+# the pre-drop selection where the run recorded it, else the post-drop ids (equal without capacity dropping)
+OUTPUTS = ("router.selected", "router.topk_ids")
 # (stored model-summary name, what it is called in the error)
 MATCHED_FACTS = (
     ("num_layers", "number of layers"),
@@ -64,14 +65,16 @@ def extract(request: ReplayRequest, out: str) -> dict:
             raise ReplaySourceError(str(exc)) from None
         described = store.describe(run)
         check_facts(described.model, request.facts, run)
-        stored = described.outputs[(described.outputs["phase"] == "train") & (described.outputs["output"] == OUTPUT)]
-        if stored.empty:
-            raise ReplaySourceError(f"stored run {run} has no {OUTPUT} records (record it with --dmi-hooks router)")
-        stored_layers = {int(x) for x in stored["layers"].iloc[0]}
-        missing = sorted(set(request.layers) - stored_layers)
-        if missing:
+        train = described.outputs[described.outputs["phase"] == "train"]
+        layers_of = {row["output"]: {int(x) for x in row["layers"]} for _, row in train.iterrows()}
+        output = next((o for o in OUTPUTS if set(request.layers) <= layers_of.get(o, set())), None)
+        if output is None:
+            stored_layers = layers_of.get(OUTPUTS[1], set())
+            missing = sorted(set(request.layers) - stored_layers)
             raise ReplaySourceError(
-                f"stored run {run} has no {OUTPUT} for layer(s) {', '.join(map(str, missing))} "
+                f"stored run {run} has no {OUTPUTS[1]} records (record it with --dmi-hooks router)"
+                if not stored_layers
+                else f"stored run {run} has no {OUTPUTS[1]} for layer(s) {', '.join(map(str, missing))} "
                 f"(recorded layers: {', '.join(map(str, sorted(stored_layers)))})"
             )
         source_dp = int(described.layout.get("dp", 1))
@@ -87,15 +90,16 @@ def extract(request: ReplayRequest, out: str) -> dict:
                 for mb in range(request.microbatches):
                     src_mb, src_dp = source_microbatch(request, mb, source_dp)
                     for j, layer in enumerate(request.layers):
-                        ids = store.tensor(run, OUTPUT, it, src_mb, layer, dp=src_dp)
+                        ids = store.tensor(run, output, it, src_mb, layer, dp=src_dp)
                         if tuple(ids.shape) != (tokens, topk):
                             raise ReconstructionError(
-                                f"{OUTPUT} has shape {tuple(ids.shape)}, expected {(tokens, topk)}"
+                                f"{output} has shape {tuple(ids.shape)}, expected {(tokens, topk)}"
                             )
                         if int(ids.max()) >= experts:
                             raise ReplaySourceError(
                                 f"stored run {run} dropped routes by capacity at iteration {it} layer {layer} "
-                                f"({OUTPUT} holds the sentinel {experts}): its pre-drop selection is not stored"
+                                f"({output} holds the sentinel {experts}) and did not record its pre-drop "
+                                "selection (--dmi-hooks router,router.selected)"
                             )
                         data[len(kept), mb, j] = ids[first_row : first_row + rows].numpy()
             except (ReconstructionError, StoreError) as exc:

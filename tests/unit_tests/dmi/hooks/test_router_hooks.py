@@ -74,6 +74,29 @@ def test_router_outputs_match_the_oracle_bitwise(megatron_cpu, capacity_factor):
     hooks.remove()
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_selected_is_the_pre_drop_choice_in_topk_ids_order(megatron_cpu, capacity_factor):
+    model = tiny_gpt(capacity_factor=capacity_factor)
+    capture = capture_for("router,router.selected")
+    hooks = HookSet(capture)
+    hooks.attach(model)
+    seen, handles = oracle_hooks(model)
+    capture.begin_step("train", 1)
+    model(*tokens(), attention_mask=None)
+    records = {(r.key.layer, r.key.output): r.tensor() for r in capture.transport.take(100, 0)}
+    for layer, (_, _, pre_map, _, _) in seen.items():
+        selected, ids = records[(layer, "router.selected")], records[(layer, "router.topk_ids")]
+        chosen = torch.zeros_like(pre_map)
+        chosen.scatter_(1, selected.long(), True)
+        assert torch.equal(chosen, pre_map)  # every pre-drop choice, no sentinel
+        kept = ids < EXPERTS
+        assert torch.equal(ids[kept], selected[kept])  # the same slot order as topk_ids
+        assert torch.equal(kept.all(), torch.tensor(capacity_factor is None))
+    for h in handles:
+        h.remove()
+    hooks.remove()
+
+
 def test_remove_restores_the_router(megatron_cpu):
     model = tiny_gpt()
     capture = capture_for("router")

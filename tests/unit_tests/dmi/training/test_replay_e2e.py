@@ -240,3 +240,17 @@ def test_capacity_dropping_is_decided_afresh_from_the_replayed_choice(tmp_path_f
         for token in range(ids.shape[0]):  # what was kept is what the source chose
             assert set(ids[token][kept[token]].tolist()) <= set(sources[key][token].tolist())
     assert dropped > 0
+
+
+def test_a_source_that_dropped_routes_replays_from_its_pre_drop_selection(tmp_path_factory, source):
+    """Recorded under a capacity factor with router.selected, replayed under the same: the same drops
+    are decided afresh, bitwise; without router.selected such a source is refused."""
+    capacity = ["--moe-expert-capacity-factor", "0.5"]
+    recorded = _train(
+        tmp_path_factory, "capacity-source", [*capacity, "--dmi-hooks", "router.topk_ids,router.selected,loss.token"]
+    )
+    replayed = _train(tmp_path_factory, "capacity-replay", [*capacity, "--dmi-replay-routing", recorded["store"]])
+    assert _equal(_outputs(replayed, "router.topk_ids"), _outputs(recorded, "router.topk_ids"))
+    assert _equal(_outputs(replayed, "loss.token"), _outputs(recorded, "loss.token"))
+    status, err = _extract(tmp_path_factory.mktemp("x"), replayed, None)  # the replay recorded no router.selected
+    assert status == 2 and "dropped routes by capacity" in err and "router.selected" in err
