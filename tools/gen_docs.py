@@ -44,6 +44,7 @@ _FLAG_VALUES = {
     "--dmi-run-id": "1-128 of `[A-Za-z0-9._-]`, starting with a letter or digit",
     "--dmi-flush-records": "integer >= 1",
     "--dmi-logits-topk": "integer >= 1",
+    "--dmi-replay-routing": "`STORE[@RUN]`: a store directory or server URL, and a run id (default: its latest run)",
 }
 
 

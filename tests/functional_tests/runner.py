@@ -12,8 +12,9 @@ A case is ``test_cases/<model>/<case>/model_config.yaml``:
 
     ENV_VARS: {NAME: value}             # added to the launch environment
     NPROC: 1                            # processes (python for 1, torch.distributed.run for more)
-    TEST_TYPE: regular | ckpt-resume    # ckpt-resume: killed (SIGKILL) after KILL_AFTER_ITER, resumed with --load
-    KILL_AFTER_ITER: 3
+    TEST_TYPE: regular | ckpt-resume | replay   # ckpt-resume: killed (SIGKILL) after KILL_AFTER_ITER, resumed with --load
+    KILL_AFTER_ITER: 3                  # replay: a first run records into ${SOURCE_STORE} (MODEL_ARGS with
+    SOURCE_ARGS: {--flag: value}        # SOURCE_ARGS, no --dmi-replay-routing), then the case's run replays it
     MODEL_ARGS: {--flag: value}         # value true: a bare flag, a list: several values;
                                         # ${CHECKPOINT_PATH}, ${DMI_STORE} substituted
     PLATFORM_ARGS: {cpu: {...}, h200: {...}, h200_te: {...}}   # extra flags per platform
@@ -73,7 +74,7 @@ def load_case(case_dir: str) -> dict:
     cfg.setdefault("NPROC", 1)
     cfg.setdefault("TEST_TYPE", "regular")
     cfg.setdefault("ENV_VARS", {})
-    if cfg["TEST_TYPE"] not in ("regular", "ckpt-resume"):
+    if cfg["TEST_TYPE"] not in ("regular", "ckpt-resume", "replay"):
         raise ValueError(f"{case_dir}: unknown TEST_TYPE {cfg['TEST_TYPE']!r}")
     return cfg
 
@@ -275,6 +276,7 @@ def run_case(
         "CHECKPOINT_PATH": os.path.join(workdir, "checkpoints"),
         "DMI_STORE": store,
         "TENSORBOARD_PATH": os.path.join(workdir, "tensorboard"),
+        "SOURCE_STORE": os.path.join(workdir, "source_store"),
     }
     args = model_args(cfg, platform, subst, dmi=dmi)
     nproc = int(cfg["NPROC"])
@@ -283,6 +285,14 @@ def run_case(
     if not compare_only:
         shutil.rmtree(store, ignore_errors=True)
         oracle_dir = os.path.join(workdir, "oracle") if oracle else None
+        if cfg["TEST_TYPE"] == "replay":
+            source = {**cfg["MODEL_ARGS"], **cfg.get("SOURCE_ARGS", {}), "--dmi-store-dir": "${SOURCE_STORE}"}
+            source.pop("--dmi-replay-routing")
+            shutil.rmtree(subst["SOURCE_STORE"], ignore_errors=True)
+            source_args = model_args({**cfg, "MODEL_ARGS": source}, platform, subst, dmi=dmi)
+            rc, log = launch(source_args, nproc, workdir, "train_source.log", env_vars, torchrun=platform != "cpu")
+            if rc != 0:
+                raise CaseFailure(f"the recording run failed (rc {rc}):\n{log[-6000:]}")
         if cfg["TEST_TYPE"] == "ckpt-resume":
             kill = int(cfg.get("KILL_AFTER_ITER", 3))
             rc, log = launch(

@@ -124,3 +124,9 @@ def test_capacity_drop_sentinels(tmp_path_factory):
         assert torch.all(probs[sentinel] == 0)
         assert int(counts[0].sum() - counts[1].sum()) == int(sentinel.sum())
     assert dropped > 0
+
+
+def test_routing_replay_replays_every_microbatch_and_each_recompute_once(tmp_path_factory):
+    """routing_replay: seed 77 under full recompute trains under seed 1234's recorded routing."""
+    log = result("routing_replay", tmp_path_factory)["logs"][-1]
+    assert "8 microbatches, 16 recomputed router forwards, fallbacks to live: 0" in log

@@ -142,6 +142,18 @@ OUTPUTS: tuple[HookOutput, ...] = (
         local_shape=lambda m: ((m.router_tokens, m.topk), 4),
     ),
     HookOutput(
+        "router.selected",
+        "router",
+        "[tokens, k]",
+        "int32",
+        "The router's own top-k selection before capacity dropping (opt-in): router.topk_ids without "
+        "sentinels, in the same slot order; equal to it without a capacity factor. What --dmi-replay-routing "
+        "replays from a run recorded with --moe-expert-capacity-factor.",
+        scope="moe_layer",
+        opt_in=True,
+        local_shape=lambda m: ((m.router_tokens, m.topk), 4),
+    ),
+    HookOutput(
         "router.topk_probs",
         "router",
         "[tokens, k]",

@@ -23,7 +23,14 @@ import torch
 from megatron.core.dmi.catalog import parse_hooks
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.key import PHASES
-from megatron.core.dmi.store_address import PASSWORD_ENV, ServerURLError, check_database, parse_server_url, redact
+from megatron.core.dmi.store_address import (
+    PASSWORD_ENV,
+    ServerURLError,
+    check_database,
+    check_store_run,
+    parse_server_url,
+    redact,
+)
 
 
 class ConfigValueError(DMIError, ValueError):
@@ -305,6 +312,13 @@ class DMIConfig:
 
     logits_topk: int = _parsed(8, positive_int)
     """k of the logits.topk output"""
+
+    replay_routing: str | None = _parsed(None, check_store_run)
+    """STORE[@RUN]: route every MoE layer of every training microbatch through the top-k experts that
+    run (default: the store's latest) recorded as router.topk_ids; scores stay live (docs/usage.md)"""
+
+    replay_missing: Literal["error", "live"] = "error"
+    """an iteration the replayed run holds no routing for: error (stop) or live (route it live, counted)"""
 
     def __post_init__(self):
         """Check every value with its field's parser (the one its flag ran), keeping what it returns."""

@@ -24,6 +24,7 @@ integration (``megatron/training/dmi/runtime.py``) is one client of it.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -41,6 +42,9 @@ from megatron.core.dmi.config import DMIConfig, check_run_id
 from megatron.core.dmi.drain import Drain
 from megatron.core.dmi.errors import UnsupportedOperationError
 from megatron.core.dmi.hooks.install import HookSet, rank_coords
+from megatron.core.dmi.replay.extract import MATCHED_FACTS
+from megatron.core.dmi.replay.request import ReplaySourceError
+from megatron.core.dmi.replay.routing import RoutingReplay
 from megatron.core.dmi.sinks import RunInfo, open_sink
 from megatron.core.dmi.sinks.base import SinkReport
 from megatron.core.dmi.transport import open_transport
@@ -154,6 +158,7 @@ class DMISession:
         self._step: tuple[str, int] | None = None
         self._microbatch: dict[int, int] = {}
         self._drops_written = 0
+        self.replay: RoutingReplay | None = None
         # Under CUDA graphs the producers replay without Python: the device gate and context block
         # carry the step, set on the stream before every forward.
         self._device_context = cuda_graphs
@@ -186,6 +191,27 @@ class DMISession:
                 new = True
         if new:
             self._write_run_info(getattr(_unwrap(chunks[0]), "config", None))
+        if self.config.replay_routing and self.replay is None:
+            self.replay = self._start_replay([_unwrap(c) for c in chunks])
+
+    def _start_replay(self, chunks: list[torch.nn.Module]) -> RoutingReplay:
+        """This rank's routing replay (``config.replay_routing``), checked against this run's model facts."""
+        facts = json.loads(json.dumps(provenance.model_summary(chunks[0].config, **self.run_facts), default=str))
+        layout = provenance.parallel_layout()
+        needed = ("seq_length", "micro_batch_size", "global_batch_size")
+        if any(facts.get(name) is None for name in needed):
+            raise ReplaySourceError(f"routing replay needs the run facts {', '.join(needed)} (DMISession run_facts)")
+        microbatches = facts["global_batch_size"] // (facts["micro_batch_size"] * layout["dp"])
+        return RoutingReplay.start(
+            self.config.replay_routing,
+            self.config.replay_missing,
+            chunks,
+            {name: facts.get(name) for name, _ in MATCHED_FACTS},
+            microbatches,
+            self.coords,
+            layout,
+            bool(chunks[0].config.sequence_parallel),
+        )
 
     def _write_run_info(self, model_config) -> None:
         config = {
@@ -237,6 +263,8 @@ class DMISession:
         microbatch = self._microbatch.get(id(inner), 0)
         self._microbatch[id(inner)] = microbatch + 1
         self.capture.set_microbatch(microbatch)
+        if self.replay is not None:
+            self.replay.before_forward(step[0], step[1], microbatch, self._chunks[id(inner)])
         if self._device_context and self.capture.step.active:
             self.transport.set_context(
                 iteration=step[1], microbatch=microbatch, attempt=self.attempt, phase=step[0], invocation=0
@@ -246,6 +274,8 @@ class DMISession:
         """Later forwards (e.g. evaluations after the loop) are not captured."""
         self._done = True
         self.capture.begin_step("done", -1)
+        if self.replay is not None:
+            self.replay.stop()
         if self._device_context:
             self.transport.set_gate_word(0)
 
@@ -279,6 +309,7 @@ class DMISession:
             f" persisted: {self.drain.records_persisted} records | {store} |"
             f" replays rejected: {self.capture.stats.replays_rejected} |"
             + (f" waited for ring space: {t.blocked_seconds:.2f} s ({t.blocked} records) |" if t.blocked else "")
+            + (f" {self.replay.status} |" if self.replay is not None else "")
         )
 
     # -- the end ----------------------------------------------------------------------------
@@ -290,6 +321,8 @@ class DMISession:
         self._closed = True
         self.flush()
         self.drain.close()
+        if self.replay is not None:  # before the hooks: it wrapped the routers after them
+            self.replay.close()
         self.hooks.remove()
         self.transport.close()
         ingester = getattr(self.sink, "is_ingester", False)
@@ -318,5 +351,6 @@ class DMISession:
                 if t.blocked
                 else ""
             )
+            + (f", {self.replay.status}" if self.replay is not None else "")
             + (f", errors: {'; '.join(report.errors)}" if report.errors else "")
         )

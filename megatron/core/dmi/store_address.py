@@ -48,6 +48,35 @@ PASSWORD_ENV = "DMI_CLICKHOUSE_PASSWORD"
 PASSWORD_FILE_ENV = "DMI_CLICKHOUSE_PASSWORD_FILE"
 
 
+class StoreRunSpecError(DMIError, ValueError):
+    """A ``STORE[@RUN]`` value with an empty store or run id."""
+
+
+def parse_store_run(spec: str) -> tuple[str, str | None]:
+    """``STORE[@RUN]`` -> (store directory or URL, run id or None for the store's latest run); the
+    last ``@`` splits, so a store path may hold ``@`` itself.
+
+    Args:
+        spec: the value, e.g. of ``--dmi-replay-routing``.
+
+    Returns:
+        The store and the run id.
+
+    Raises:
+        StoreRunSpecError: an empty store or run id.
+    """
+    store, sep, run = spec.rpartition("@") if "@" in spec else (spec, "", "")
+    if not store or (sep and not run):
+        raise StoreRunSpecError(f"expected STORE[@RUN], got {spec!r}")
+    return store, run or None
+
+
+def check_store_run(spec: str) -> str:
+    """``spec`` if it reads as ``STORE[@RUN]`` (``parse_store_run``), else raise StoreRunSpecError."""
+    parse_store_run(spec)
+    return spec
+
+
 class ServerURLError(DMIError, ValueError):
     """A ClickHouse server URL that is not ``http(s)://[user@]host:port`` or carries a password."""
 

@@ -24,7 +24,7 @@ from megatron.core.dmi.catalog import ModelShape, UnsupportedUnderGraphsError, c
 from megatron.core.dmi.config import CaptureWindowError, DMIConfig
 from megatron.core.dmi.hooks import groups
 from megatron.core.dmi.hooks.groups.base import ModelFacts
-from megatron.core.dmi.store_address import PASSWORD_ENV
+from megatron.core.dmi.store_address import PASSWORD_ENV, parse_store_run
 
 NOT_FLAGS = ("clickhouse_password",)
 FLAG_FIELDS = tuple(f.name for f in fields(DMIConfig) if f.name not in NOT_FLAGS)
@@ -182,8 +182,44 @@ def check_dmi_layout(args: argparse.Namespace) -> None:
         _fail(*why)
 
 
+# (flag, why --dmi-replay-routing cannot follow it), checked in order; each a predicate on the arguments
+_REPLAY_REFUSALS = (
+    ("--num-experts", lambda a: not a.num_experts, "routing replay needs a MoE model"),
+    (
+        "--cuda-graph-impl",
+        lambda a: getattr(a, "cuda_graph_impl", "none") != "none",
+        "routing replay under CUDA graphs is not supported yet",
+    ),
+    (
+        "--moe-router-fusion",
+        lambda a: getattr(a, "moe_router_fusion", False),
+        "the fused router's top-k ignores megatron-core's RouterReplay",
+    ),
+    (
+        "--moe-router-load-balancing-type",
+        lambda a: "sinkhorn" in str(a.moe_router_load_balancing_type),
+        "sinkhorn routing ignores megatron-core's RouterReplay",
+    ),
+    ("--mtp-num-layers", lambda a: bool(getattr(a, "mtp_num_layers", None)), "MTP layers' routers are not replayed"),
+    ("--context-parallel-size", lambda a: a.context_parallel_size > 1, "context parallelism is not supported by DMI"),
+)
+
+
+def check_replay_args(args: argparse.Namespace) -> None:
+    """``--dmi-replay-routing`` refuses, naming the flag, what it cannot replay exactly; the stored run
+    itself is checked against this one when the model exists (megatron/core/dmi/replay)."""
+    for flag, refused, why in _REPLAY_REFUSALS:
+        if refused(args):
+            _fail("--dmi-replay-routing", f"{why} ({flag})")
+    store, _ = parse_store_run(args.dmi_replay_routing)
+    if "://" not in store and not os.path.isdir(store):
+        _fail("--dmi-replay-routing", f"no DMI store at {store!r} (directory does not exist)")
+
+
 def validate_dmi_args(args: argparse.Namespace) -> None:
     """Checks that need the whole Megatron config; run right after Megatron validates its own."""
+    if args.dmi_replay_routing:
+        check_replay_args(args)
     if not args.dmi_hooks:
         return
     shape = model_shape(args)

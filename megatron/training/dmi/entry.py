@@ -175,10 +175,10 @@ def train_with_dmi(train: Callable) -> Callable:
         from megatron.training import get_args
 
         runtime = None
-        if get_args().dmi_hooks:
+        if get_args().dmi_hooks or get_args().dmi_replay_routing:  # with no DMI flag, nothing of DMI is imported
             from megatron.training.dmi.runtime import DMIRuntime
 
-            runtime = DMIRuntime.start(model)
+            runtime = _one_line_on_replay_error(DMIRuntime.start, model)
         try:
             return train(forward_step_func, model, *args, **kwargs)
         finally:
@@ -216,11 +216,22 @@ def dmi_forward_step(forward_step: Callable) -> Callable:
     def wrapped(data_iterator, model, *args, **kwargs):
         runtime = _active_runtime()
         if runtime is not None:
-            runtime.before_forward(model)
+            _one_line_on_replay_error(runtime.before_forward, model)
         return forward_step(data_iterator, model, *args, **kwargs)
 
     wrapped.__wrapped__ = forward_step
     return wrapped
+
+
+def _one_line_on_replay_error(call: Callable, *args):
+    """``call(*args)``; a routing-replay error (a stored run that does not fit, an iteration it lacks)
+    stops the process with its one line instead of a traceback."""
+    from megatron.core.dmi.replay.request import ReplayError
+
+    try:
+        return call(*args)
+    except ReplayError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def _active_runtime():

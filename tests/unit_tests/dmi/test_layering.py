@@ -24,7 +24,7 @@ LAYERS = [
     {"config"},
     {"transport", "store"},
     {"capture", "sinks", "reader"},
-    {"hooks", "drain"},
+    {"hooks", "drain", "replay"},
     {"session"},
     {"cli"},
     {"__main__"},

@@ -488,3 +488,34 @@ add_subcommand(
     _setup_grad_norms,
     "gradient norms (needs --dmi-hooks grad) per layer and per expert over iterations",
 )
+
+
+def cmd_routing_diff(args) -> int:
+    """Print the routing difference of two runs, per layer and iteration."""
+    from megatron.core.dmi.reader.routing_diff import expert_sets_of, routing_diff
+
+    run_a, sets_a = expert_sets_of(args.run_a, args.phase)
+    run_b, sets_b = expert_sets_of(args.run_b, args.phase)
+    df = routing_diff(sets_a, sets_b)
+    print(f"routing difference of run {run_a} and run {run_b} ({args.phase}): share of tokens whose expert set differs")
+    print_table(df)
+    print(
+        f"overall: {df['differing'].sum()} of {df['tokens'].sum()} tokens ({df['differing'].sum() / df['tokens'].sum():.2%})"
+    )
+    return 0
+
+
+def _setup_routing_diff(p) -> None:
+    p.add_argument(
+        "run_a", metavar="STORE_A[@RUN]", help="a store directory or URL, and a run id (default: its latest)"
+    )
+    p.add_argument("run_b", metavar="STORE_B[@RUN]", help="the other run, in the same store or another")
+    p.add_argument("--phase", default="train", help="phase compared (default: train)")
+    p.set_defaults(func=cmd_routing_diff)
+
+
+add_subcommand(
+    "routing-diff",
+    _setup_routing_diff,
+    "per layer and iteration, the share of tokens whose expert set differs between two runs (needs router.topk_ids)",
+)

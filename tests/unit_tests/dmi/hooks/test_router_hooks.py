@@ -44,20 +44,26 @@ def expected_topk(pre_probs, pre_map, probs, routing_map):
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
 def test_router_outputs_match_the_oracle_bitwise(megatron_cpu, capacity_factor):
     model = tiny_gpt(capacity_factor=capacity_factor)
-    capture = capture_for("router")
+    capture = capture_for("router,router.selected")
     hooks = HookSet(capture)
     hooks.attach(model)
     seen, handles = oracle_hooks(model)
     capture.begin_step("train", 1)
     model(*tokens(), attention_mask=None)
     records = {(r.key.layer, r.key.output): r for r in capture.transport.take(100, 0)}
-    assert len(records) == 2 * 4  # 2 layers x 4 router outputs
+    assert len(records) == 2 * 5  # 2 layers x 5 router outputs
     dropped_any = False
     for layer, (logits, pre_probs, pre_map, probs, routing_map) in seen.items():
         ids, weights = expected_topk(pre_probs, pre_map, probs, routing_map)
         got = {
             o: records[(layer, o)].tensor()
-            for o in ("router.logits", "router.topk_ids", "router.topk_probs", "router.expert_counts")
+            for o in (
+                "router.logits",
+                "router.topk_ids",
+                "router.topk_probs",
+                "router.expert_counts",
+                "router.selected",
+            )
         }
         assert torch.equal(got["router.logits"].view(torch.int32), logits.view(torch.int32))
         assert torch.equal(got["router.topk_ids"], ids)
@@ -66,6 +72,11 @@ def test_router_outputs_match_the_oracle_bitwise(megatron_cpu, capacity_factor):
         assert torch.equal(got["router.expert_counts"], counts)
         assert int(got["router.topk_ids"].min()) >= 0 and int(got["router.topk_ids"].max()) <= EXPERTS
         dropped_any |= bool((got["router.topk_ids"] == EXPERTS).any())
+        # router.selected: every pre-drop choice (no sentinel), in router.topk_ids' slot order
+        chosen = torch.zeros_like(pre_map).scatter_(1, got["router.selected"].long(), True)
+        assert torch.equal(chosen, pre_map)
+        kept = got["router.topk_ids"] < EXPERTS
+        assert torch.equal(got["router.topk_ids"][kept], got["router.selected"][kept])
         key = records[(layer, "router.logits")].key
         assert (key.token_start, key.token_end, key.token_total) == (0, SEQ * BATCH, SEQ * BATCH)
     assert dropped_any == (capacity_factor is not None)  # factor 0.5 must drop routes

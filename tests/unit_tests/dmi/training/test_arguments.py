@@ -78,6 +78,8 @@ GIVEN = {
     "run_id": ("exp-1.a", "exp-1.a"),
     "flush_records": ("64", 64),
     "logits_topk": ("16", 16),
+    "replay_routing": ("/data/dmi@run-1", "/data/dmi@run-1"),
+    "replay_missing": ("live", "live"),
 }
 
 

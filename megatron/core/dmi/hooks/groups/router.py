@@ -115,12 +115,17 @@ def topk_view(
     first on ties, so the order is fully determined by the router's own outputs.
     """
     num_experts = probs.shape[-1]
-    score = pre_probs.float().masked_fill(~pre_map, float("-inf"))
-    ids = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :topk]
+    ids = pre_drop_ids(pre_probs, pre_map, topk)
     kept = routing_map.gather(1, ids)
     weights = probs.gather(1, ids) * kept
     ids = torch.where(kept, ids, torch.full_like(ids, num_experts))
     return ids.to(torch.int32), weights
+
+
+def pre_drop_ids(pre_probs: torch.Tensor, pre_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """[tokens, k] int64: the pre-drop selection in ``topk_view``'s slot order (``router.selected``)."""
+    score = pre_probs.float().masked_fill(~pre_map, float("-inf"))
+    return torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :topk]
 
 
 def expert_counts(routing_map: torch.Tensor, pre_map: torch.Tensor) -> torch.Tensor:
@@ -163,6 +168,7 @@ def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelC
             "router.topk_ids": lambda: selection()[0],
             "router.topk_probs": lambda: selection()[1],
             "router.expert_counts": lambda: selection()[2],
+            "router.selected": lambda: pre_drop_ids(pre_probs, pre_map, router.topk).to(torch.int32),
         }
         publish(hooks, layer, shards, flat_logits.shape[0], values)
         return probs, routing_map
