@@ -19,7 +19,8 @@ PACKAGE = "megatron.core.dmi"
 # reader -> cli; the sinks and the reader both sit on the store, beside each other; config is
 # usable by all but itself uses no storage and no transport.
 LAYERS = [
-    {"errors", "key", "upstream_patches"},
+    {"errors", "key"},
+    {"upstream_patches"},
     {"records", "catalog", "provenance", "cpu_mode", "store_address"},
     {"config"},
     {"transport", "store"},
