@@ -419,8 +419,8 @@ def test_ring_smaller_than_one_record_is_a_startup_error_naming_the_flag(tmp_pat
     # attn.context of the tiny model: 32 x 2 x 64 fp32 = 16 KiB > 0.01 MiB
     store = str(tmp_path / "store")
     rc, out = train(str(tmp_path), ["--dmi-hooks", "attn", "--dmi-ring-mb", "0.01", "--dmi-store-dir", store])
-    assert rc == 1, out[-3000:]
-    err = [ln for ln in out.splitlines() if ln.startswith("error: argument --dmi-ring-mb:")]
+    assert rc == 2, out[-3000:]  # an argument error: the one-line usage, then the error (usage.md)
+    err = [ln for ln in out.splitlines() if ln.startswith("pretrain_gpt.py: error: argument --dmi-ring-mb:")]
     assert err and "cannot hold one record of 16384 bytes" in err[0], out[-3000:]
     assert "Traceback" not in out and "iteration        1/" not in out
 
