@@ -16,7 +16,7 @@ import torch
 
 from megatron.core.dmi import cpu_mode, upstream_patches
 from megatron.core.dmi.cpu_mode import compute_device  # noqa: F401  (the entry's batch code asks it here)
-from megatron.training.dmi.launch import CPU_DEV_FLAG
+from megatron.training.dmi import CPU_DEV_FLAG
 
 # Upstream's usage line lists every one of its ~1000 flags (about 640 lines) before each argument
 # error; ours names the kinds of flags and where the full list is.

@@ -19,9 +19,8 @@ import os
 import runpy
 import sys
 
-# Defined here, the module that decides from the arguments alone whether DMI is wanted, so that a
-# launch without DMI imports nothing more of DMI; the entry and its argument group use it too.
-CPU_DEV_FLAG = "--cpu-dev-mode"
+from megatron.training.dmi import CPU_DEV_FLAG
+
 USAGE = "usage: python -m megatron.training.dmi.launch SCRIPT [SCRIPT's arguments] [--dmi-* arguments]"
 
 
