@@ -141,7 +141,10 @@ def test_extraction_refuses_a_store_without_the_layers_or_runs(tmp_path, source)
     bare = dict(source, store=str(tmp_path / "empty"))
     os.makedirs(bare["store"])
     status, err = _extract(tmp_path, bare, None)
-    assert status == 2 and "holds no runs" in err
+    assert status == 2 and "is not a DMI store" in err  # a folder that is no store: named, in one line
+    os.makedirs(os.path.join(bare["store"], "spool"))
+    status, err = _extract(tmp_path, bare, None)
+    assert status == 2 and "holds no runs" in err  # a store nothing was written to
 
 
 def test_a_mismatch_stops_training_before_the_first_step(tmp_path_factory, source):
