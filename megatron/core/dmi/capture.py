@@ -130,10 +130,11 @@ class Capture:
         # e.g. the training side's TensorBoard scalars; they must not sync with the device.
         self.observers: list[Callable[[int, StepContext, dict[str, torch.Tensor]], None]] = []
 
-    def begin_step(self, phase: str, iteration: int) -> None:
+    def begin_step(self, phase: str, iteration: int, wanted: bool = True) -> None:
         """Enter a step: the microbatch restarts at 0, the config decides whether this iteration of ``phase`` is
-        captured, and originals still awaiting their replay are forgotten."""
-        self.step = StepContext(phase, iteration, 0, self.config.captures_iteration(phase, iteration))
+        captured (never when not ``wanted``: a caller's per-step switch), and originals still awaiting their
+        replay are forgotten."""
+        self.step = StepContext(phase, iteration, 0, wanted and self.config.captures_iteration(phase, iteration))
         self.idle = not self.step.active and not self.graphs
         self._awaiting_replay.clear()
 

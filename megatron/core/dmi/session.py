@@ -253,10 +253,7 @@ class DMISession:
         if step != self._step:
             self._step = step
             self._microbatch.clear()
-            self.capture.begin_step(*step)
-            if not capture:
-                self.capture.step.active = False
-                self.capture.idle = not self.capture.graphs
+            self.capture.begin_step(*step, wanted=capture)
             self._write_new_drops()
             if self._device_context:
                 self.transport.set_gate_word(GATE_ORIGINAL if self.capture.step.active else 0)
