@@ -2,8 +2,8 @@
 
 An eager MoE step is host-bound, so DMI's host microseconds per firing are its direct cost on the
 step. This script builds a megatron-core MoE GPT (local spec) on the GPU, or on the CPU through
-DMI's CPU shim, attaches DMI through ``DMISession`` (``--dmi-persist none``: capture and transport,
-no store) with one group selected at a time, wraps its sites with ``hook_clock.HookClock`` and runs
+DMI's CPU shim, attaches DMI through ``DMISession`` (``--persist none``: capture and transport, no store;
+``--persist spool``: the product's spool path) with one group selected at a time, wraps its sites with ``hook_clock.HookClock`` and runs
 passes (forward only; forward and backward for ``grad``):
 
 * ``router``: one router firing (4 outputs: logits, top-k ids and weights, expert counts), DMI's
@@ -107,7 +107,7 @@ def clock_group(model, group: str, a, device, store: str, profile_dir: str | Non
     hooks = "router,attn" if group == "not_captured" else group
     config = DMIConfig(
         hooks=parse_hooks(hooks),
-        persist="none",
+        persist=a.persist,
         store_dir=store,
         ring_mb=a.ring_mb,
         start_iter=NEVER if group == "not_captured" else 1,
@@ -177,6 +177,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--ring-mb", type=float, default=64.0)
+    p.add_argument(
+        "--persist",
+        choices=["none", "spool"],
+        default="none",
+        help="none: the drain discards in Python; spool: the product's path (the native spool writer on a GPU)",
+    )
 
 
 def run_facts(a, device: torch.device) -> dict:
@@ -188,6 +194,7 @@ def run_facts(a, device: torch.device) -> dict:
         ).stdout.strip(),
         "torch": torch.__version__,
         "model": {k: getattr(a, k) for k in ("layers", "hidden", "heads", "experts", "topk", "seq", "micro_batch")},
+        "persist": a.persist,
     }
 
 

@@ -16,7 +16,8 @@ a 95 % bootstrap interval (resampling pairs), for
 * ``aa``: every A/A pair; ``aa_floor_pct`` = the larger end of its interval in absolute value.
 
 A step is forward and backward of one micro-batch (megatron-core MoE GPT, local spec, the model of
-``host_cost.py``), with ``--dmi-persist none`` (capture and transport, no store).
+``host_cost.py``), with ``--persist none`` (capture and transport, no store; the default) or
+``spool`` (the product's path: on a GPU the native spool writer).
 
     python benchmarks/step_time_paired.py --device cuda --pairs 700 --out benchmarks/results/step_time_paired_<device>.json
     python benchmarks/step_time_paired.py --device cpu --pairs 4 --layers 2 --hidden 64 --seq 64 ...  # smoke scale
@@ -65,7 +66,7 @@ class Stepper:
         self.device = device
         self.model = build_model(a, device)
         self.model.train()
-        config = DMIConfig(hooks=parse_hooks(hooks), persist="none", store_dir=store, ring_mb=a.ring_mb)
+        config = DMIConfig(hooks=parse_hooks(hooks), persist=a.persist, store_dir=store, ring_mb=a.ring_mb)
         self.session = DMISession(config, device=device, command_line=["step_time_paired.py"])
         self.session.attach(self.model)
         self.ids = torch.randint(0, a.vocab, (a.micro_batch, a.seq), device=device)

@@ -13,6 +13,7 @@ For every case workdir in the archive (``<name>`` with DMI, ``<name>_off`` its D
   probabilities; the expert counts after drops equal the routing map's column sums;
 * CUDA-graph cases: the stored tensors against the eager case of the same model (``EAGER_TWIN``):
   which are bitwise equal, and the largest difference of the others;
+* replay cases: the run says that no router forward fell back to live routing;
 * analyses: routing concentration, routing predictability, loss against routing and gradient
   norms, read from the store of every case that captured their inputs (the three routing ones must
   answer on a CUDA-graph case that captured the router).
@@ -145,6 +146,12 @@ def check(root: str, name: str, record_golden: bool, dumps: dict) -> dict:
         found["loss_identical_to_dmi_off"] = with_dmi == without and bool(with_dmi)
         if not found["loss_identical_to_dmi_off"]:
             problems.append(f"lm loss with DMI {with_dmi} vs off {without}")
+    if runner.load_case(case)["TEST_TYPE"] == "replay":  # trained under the recorded routing throughout
+        said = r"routing replayed from run \S+: (\d+) microbatches, .*fallbacks to live: (\d+)"
+        replayed = [(int(m), int(f)) for m, f in re.findall(said, "\n".join(result["logs"]))]
+        found["replay_microbatches_fallbacks"] = replayed
+        if not replayed or any(f or not m for m, f in replayed):
+            problems.append(f"routing replay fell back to live routing (or replayed nothing): {replayed}")
     args = runner.model_args(runner.load_case(case), platform, {"DMI_STORE": "-"})
     counts = {k: n for k, n in result["summary"]["dmi_record_counts"].items() if k.startswith("train/")}
     found["record_counts"] = counts  # the analytic count covers training steps; evaluation is in the goldens
