@@ -27,7 +27,8 @@ class BuildPyWithCsrc(build_py):
 
 
 setup(
-    packages=find_namespace_packages(include=["megatron.core.dmi*", "megatron.training.dmi*"]),
+    # megatron_dmi: the fast CLI's package (the `megatron-dmi` command and the ingester process run it)
+    packages=find_namespace_packages(include=["megatron.core.dmi*", "megatron.training.dmi*", "megatron_dmi"]),
     package_data={"megatron.core.dmi": ["csrc/*"]},
     include_package_data=True,
     cmdclass={"build_py": BuildPyWithCsrc},

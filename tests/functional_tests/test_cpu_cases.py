@@ -59,7 +59,7 @@ def test_log_line_reports_lags(tmp_path_factory):
     assert len(lines) == 4  # --log-interval 1, 4 iterations
     pattern = (
         r"^ DMI \| captured: (\d+) records [0-9.]+ MiB \| dropped: 0 \| drain lag: \d+ records \|"
-        r" persisted: \d+ records \| store lag: \d+ records \| replays rejected: 0 \|$"
+        r" persisted: \d+ records \| store lag: \d+ records, \d+ s \| replays rejected: 0 \|$"
     )
     captured = [int(re.match(pattern, ln).group(1)) for ln in lines]
     assert captured == sorted(captured) and captured[-1] > 0

@@ -62,6 +62,17 @@ def positive_int(value: str | int) -> int:
     return n
 
 
+def nice_increment(value: str | int) -> int:
+    """How much lower a helper process's CPU priority is (``nice``): an integer from 0 to 19."""
+    try:
+        n = int(value) if isinstance(value, str) else value
+    except ValueError:
+        n = None
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 19:
+        raise ConfigValueError(f"expected an integer from 0 to 19, got {value!r}")
+    return n
+
+
 def _number(value: str | float, expected: str) -> float:
     try:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
@@ -271,6 +282,12 @@ class DMIConfig:
     clickhouse_password: str | None = field(default=None, repr=False)
     """the server's password: never a flag (it would sit in argv and in logs); read from
     $DMI_CLICKHOUSE_PASSWORD or --dmi-clickhouse-password-file"""
+
+    ingest_threads: int | None = _parsed(None, positive_int)
+    """chDB threads of the node's ingester process (default: a quarter of the cores, 1 to 4)"""
+
+    ingest_nice: int = _parsed(10, nice_increment)
+    """how much lower the ingester process's CPU priority is than the training's (0-19)"""
 
     interval: int = _parsed(1, positive_int)
     """capture every N-th iteration"""

@@ -299,7 +299,12 @@ class DMISession:
         store, rejected replays and, when any, time spent waiting for ring space."""
         t = self.transport.stats
         lag = self.sink.store_lag()
-        store = f"store lag: {lag} records" if lag is not None else f"store: none ({self.config.persist})"
+        waited = self.sink.store_lag_seconds() if hasattr(self.sink, "store_lag_seconds") else None
+        store = (
+            f"store lag: {lag} records" + (f", {waited:.0f} s" if waited is not None else "")
+            if lag is not None
+            else f"store: none ({self.config.persist})"
+        )
         return (
             f" DMI | captured: {t.published} records {t.published_bytes / 2**20:.1f} MiB |"
             f" dropped: {t.dropped} | drain lag: {self.drain.lag_records} records |"
@@ -340,7 +345,9 @@ class DMISession:
         t = self.transport.stats
         return (
             f"rank {self.coords.rank}: captured {t.published} records ({t.published_bytes} B), "
-            f"written {report.records_written} ({report.bytes_written} B), spooled {report.records_spooled}, "
+            f"written {report.records_written} ({report.bytes_written} B), spooled {report.records_spooled}"
+            + (f" ({report.spooled_note})" if report.records_spooled and getattr(report, "spooled_note", "") else "")
+            + ", "
             f"dropped {t.dropped + report.records_dropped}, replays rejected {self.capture.stats.replays_rejected}"
             + (
                 f", waited for ring space {t.blocked_seconds:.2f} s ({t.blocked} records): raise --dmi-ring-mb"
@@ -349,5 +356,10 @@ class DMISession:
                 else ""
             )
             + (f", {self.replay.status}" if self.replay is not None else "")
+            + (
+                f", store complete {report.store_complete_s:.1f} s after close began"
+                if getattr(report, "store_complete_s", None) is not None
+                else ""
+            )
             + (f", errors: {'; '.join(report.errors)}" if report.errors else "")
         )

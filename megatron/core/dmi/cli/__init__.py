@@ -8,7 +8,7 @@ Reading commands open a snapshot of the store (see reader/snapshot.py: written u
 megatron_dmi/__init__.py says why ``python -m megatron.core.dmi`` cannot).
 
 Each command lives in a module of this package that registers it when imported (``read``: the
-reading commands and the analyses; ``doctor``: ``doctor`` and ``hooks``; ``watch``; ``export``
+reading commands and the analyses; ``doctor``: ``doctor`` and ``hooks``; ``watch``; ``ingest``; ``export``
 holds what ``export`` writes); ``build_parser`` imports them. Other code can add commands by
 calling ``add_subcommand`` (``common.py``) before ``main``.
 """
@@ -25,7 +25,7 @@ from megatron.core.dmi.cli.common import COMMANDS, add_subcommand
 
 # The modules of this package that register commands when imported, in the order ``--help`` lists
 # them; imported by ``build_parser`` (test_layering reads this table with the import statements).
-COMMAND_MODULES = ("read", "doctor", "watch")
+COMMAND_MODULES = ("read", "doctor", "watch", "ingest")
 
 
 def build_parser(prog: str = "python -m megatron.core.dmi") -> argparse.ArgumentParser:

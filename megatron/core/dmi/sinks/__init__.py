@@ -7,7 +7,7 @@
 - ``--dmi-persist clickhouse`` with ``--dmi-clickhouse-url``: ServerSink (every rank inserts;
   spool fallback and replay)
 - ``--dmi-persist clickhouse`` without a URL: EmbeddedSink (every rank spools; the node's
-  ingester loads all ranks into the embedded chDB store ``<store_dir>/chdb``)
+  ingester process loads all ranks into the embedded chDB store ``<store_dir>/chdb``)
 
 Sinks write through the store package (``megatron.core.dmi.store``: schema, backends, segment
 formats, ingest); see docs/storage.md for the tables and the multi-rank design.
@@ -53,7 +53,15 @@ def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingeste
             database=config.clickhouse_database,
             password=resolve_password(config.clickhouse_password),
         )
-    return EmbeddedSink(store_dir, run_id, coords, is_ingester, database=config.clickhouse_database)
+    return EmbeddedSink(
+        store_dir,
+        run_id,
+        coords,
+        is_ingester,
+        database=config.clickhouse_database,
+        ingest_threads=config.ingest_threads,
+        ingest_nice=config.ingest_nice,
+    )
 
 
 __all__ = [

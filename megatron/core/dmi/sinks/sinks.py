@@ -41,7 +41,8 @@ from megatron.core.dmi.sinks.owner import claim_rank_dir, release_rank_dir
 from megatron.core.dmi.sinks.spool import SpoolWriter
 from megatron.core.dmi.store import schema as S
 from megatron.core.dmi.store.backend import BackendError, ServerBackend
-from megatron.core.dmi.store.ingest import IngesterThread, IngestResult, ingest_spool, load_table
+from megatron.core.dmi.store.ingest import IngestResult, ingest_spool, load_table
+from megatron.core.dmi.store.ingester import IngesterProcess, read_status
 
 log = logging.getLogger("megatron.core.dmi.sinks")
 
@@ -67,12 +68,12 @@ class DMISink(Sink):
     def write_drops(self, keys: Sequence[RecordKey], reason: str) -> None:
         """Record the keys of records lost before reaching the sink (e.g. ring full)."""
 
-    def final_ingest(self) -> IngestResult | None:
-        """The final ingest into the store; None here: this sink has no store to ingest into."""
-        return None
-
     def store_lag(self) -> int | None:
         """Records this sink accepted that a store query cannot see yet (None: no store)."""
+        return None
+
+    def store_lag_seconds(self) -> float | None:
+        """How long the oldest record a store query cannot see yet has waited (None: not known)."""
         return None
 
     def _error(self, msg: str) -> None:
@@ -364,10 +365,11 @@ class SpoolSink(_BufferedSink):
 
 
 class EmbeddedSink(SpoolSink):
-    """``--dmi-persist clickhouse`` without a URL: every rank spools; the node's ingester (local
-    rank 0) loads all ranks' segments into the embedded chDB store ``<store_dir>/chdb`` from a
-    background thread. ``close()`` on the ingester does the final pass, so close every other rank
-    first (the training integration barriers before rank 0's close)."""
+    """``--dmi-persist clickhouse`` without a URL: every rank spools; the node's ingester, a process of
+    its own that local rank 0 starts and supervises (store/ingester.py), loads all ranks' segments
+    into the embedded chDB store ``<store_dir>/chdb``. ``close()`` on local rank 0 asks it for the
+    final pass and waits, so close every other rank first (the training integration barriers
+    before rank 0's close)."""
 
     name = "chdb"
 
@@ -379,17 +381,21 @@ class EmbeddedSink(SpoolSink):
         is_ingester: bool,
         database: str = S.DEFAULT_DATABASE,
         ingest_poll_s: float = 2.0,
+        ingest_threads: int | None = None,
+        ingest_nice: int = 10,
         **kw,
     ):
-        """Spool under ``<store_dir>/spool``; on the node's ingesting rank (``is_ingester``) also start the ingester
-        of the chDB store."""
+        """Spool under ``<store_dir>/spool``; on the node's ingesting rank (``is_ingester``) also start the
+        ingester process (a pass every ``ingest_poll_s`` s or when a segment closes, ``ingest_threads``
+        chDB threads, ``ingest_nice`` lower CPU priority)."""
         super().__init__(run_id, coords, os.path.join(store_dir, "spool"), **kw)
         self.store_dir = store_dir
         self.is_ingester = is_ingester
-        self.ingester: IngesterThread | None = None
+        self.ingester: IngesterProcess | None = None
         if is_ingester:
-            self.ingester = IngesterThread(store_dir, database, poll_s=ingest_poll_s).start()
-            self.report.errors.extend(self.ingester.result.errors)
+            self.ingester = IngesterProcess(
+                store_dir, database, poll_s=ingest_poll_s, threads=ingest_threads, nice=ingest_nice
+            ).start()
 
     def _emit_records(self, table, n, nbytes):
         super()._emit_records(table, n, nbytes)
@@ -404,29 +410,56 @@ class EmbeddedSink(SpoolSink):
 
     def store_lag(self) -> int | None:
         """Buffered rows plus the rows of this rank's segments the ingester has not loaded yet."""
-        return self._unwritten_rows() + self.spool.waiting_rows()
+        return self._unwritten_rows() + self.spool.waiting()[0]
+
+    def store_lag_seconds(self) -> float:
+        """How long the oldest of this rank's segments the store has not loaded yet has waited."""
+        return self.spool.waiting()[1]
 
     def _before_report(self) -> None:
         # Ingest everything (all ranks closed) before our own report, so its counts are final.
-        if self.ingester is not None:
-            self._final_pass(close=False)
-            if self.ingester.owner:
-                self._settle_written()
+        if self.ingester is None:
+            return
+        close_began = time.time()
+        r = self.ingester.sync()
+        with self._buf_lock:
+            self.report.segments_ingested = r.segments_loaded
+            self.report.segments_corrupt = r.segments_corrupt
+            for e in r.errors:
+                if e not in self.report.errors:
+                    self.report.errors.append(e)
+        status = self.ingester.status
+        if status is not None and status.owner and status.complete_at:
+            self.report.store_complete_s = max(0.0, status.complete_at - close_began)
+        self._settle_written()
+
+    def _store_view(self) -> tuple[dict, set[str], str]:
+        """What the store's ingester read back, per (run, attempt, spool rank), the ids of segments it
+        verified but has not retired, and who that ingester is: ours, or the process that holds the store
+        (its status file)."""
+        if self.ingester.owner:
+            return self.ingester.result.verified, self.ingester.credited, "this run's ingester"
+        holder = read_status(self.store_dir)
+        if holder is None or not holder.owner:
+            return {}, set(), "no ingester (the store is held by another process)"
+        r = IngestResult.from_dict(holder.result)
+        return r.verified, set(holder.credited_waiting), f"the ingester holding the store (pid {holder.pid})"
 
     def _settle_written(self) -> None:
-        """``written`` becomes what the ingester read back from the store for this rank's records
+        """``written`` becomes what the store's ingester read back from the store for this rank's records
         of this attempt. Of the rest, what still lies readable in our spool folder is ``spooled``
-        (a reader or ``load`` picks it up); anything else (quarantined as corrupt, or a segment
-        that vanished) is ``dropped``, with an error saying so."""
+        (a reader, ``load`` or ``megatron-dmi ingest`` picks it up); anything else (quarantined as corrupt,
+        or a segment that vanished) is ``dropped``, with an error saying so."""
         from megatron.core.dmi.store.segments import CorruptSegmentError, list_segments, peek_segment_id, verify_segment
 
+        verified, credited, who = self._store_view()
         mine = (self.run_id, self.attempt, self.coords.rank)
         left_rows = left_bytes = 0
         for seg in list_segments(self.spool_root, ranks={self.coords.rank}):
             if seg.kind != "tensors":
                 continue
             try:
-                if peek_segment_id(seg) in self.ingester.credited:  # its records are in the store already
+                if peek_segment_id(seg) in credited:  # its records are in the store already
                     continue
                 t = verify_segment(seg).table
             except CorruptSegmentError:  # reported by the ingester already
@@ -438,7 +471,7 @@ class EmbeddedSink(SpoolSink):
             left_bytes += table_nbytes(t)
         with self._buf_lock:
             rep = self.report
-            stored, stored_bytes = self.ingester.result.verified.get(mine, (0, 0))
+            stored, stored_bytes = verified.get(mine, (0, 0))
             stored, stored_bytes = min(stored, rep.records_written), min(stored_bytes, rep.bytes_written)
             left_rows = min(left_rows, rep.records_written - stored)
             lost = rep.records_written - stored - left_rows
@@ -454,40 +487,23 @@ class EmbeddedSink(SpoolSink):
                     f"(quarantined as corrupt, or their segment vanished): see dmi.quarantine and "
                     f"dmi.segments"
                 )
+            if left_rows:
+                rep.spooled_note = f"waiting in {self.spool.dir} for {who}"
         if left_rows:
             log.warning(
-                "DMI rank %d: %d record(s) could not be loaded into the store and remain in %s; "
-                "opening the store (megatron-dmi show %s) loads them",
+                "DMI rank %d: %d record(s) are not in the store yet; they wait in %s for %s "
+                "(`megatron-dmi ingest %s` or opening the store loads them)",
                 self.coords.rank,
                 left_rows,
                 self.spool.dir,
+                who,
                 self.store_dir,
             )
 
     def _after_close(self) -> None:
         if self.ingester is not None:
-            self._final_pass(close=True)
+            self.ingester.finish()  # loads our report segment too, then closes the store
             self.ingester = None
-
-    def _final_pass(self, close: bool) -> None:
-        r = self.ingester.final_ingest(close=close)
-        with self._buf_lock:
-            self.report.segments_ingested = self.ingester.result.segments_loaded
-            self.report.segments_corrupt = self.ingester.result.segments_corrupt
-            for e in r.errors:
-                if e not in self.report.errors:
-                    self.report.errors.append(e)
-
-    def final_ingest(self) -> IngestResult | None:
-        """Load every rank's remaining segments now (idempotent; also done by close())."""
-        if self.ingester is None:
-            if not self.is_ingester:
-                return None
-            self.ingester = IngesterThread(self.store_dir).start()
-            r = self.ingester.final_ingest(close=True)
-            self.ingester = None
-            return r
-        return self.ingester.final_ingest(close=False)
 
 
 class ServerSink(_BufferedSink):

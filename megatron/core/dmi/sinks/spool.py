@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 import uuid
 
 import pyarrow as pa
@@ -71,7 +72,7 @@ class SpoolWriter:
         self._dir_ready = False
         self._seq = None
         self._unsynced: list[str] = []
-        self._tensor_rows: dict[str, int] = {}  # tensor segments written -> rows (until ingested)
+        self._tensor_rows: dict[str, tuple[int, float]] = {}  # tensor segments written -> rows, when (until ingested)
 
     def _prepare(self) -> None:
         if self._dir_ready:
@@ -113,7 +114,7 @@ class SpoolWriter:
     def adopt(self, path: str, rows: int) -> None:
         """Count a tensor segment another writer (the native one) put in this folder."""
         with self._lock:
-            self._tensor_rows[path] = rows
+            self._tensor_rows[path] = (rows, time.monotonic())
 
     def write(self, kind: str, table: pa.Table, durable: bool = True) -> str:
         """Write ``table`` as one segment of ``kind``; returns the final path. Raises OSError (e.g.
@@ -171,19 +172,22 @@ class SpoolWriter:
             if not durable:
                 self._unsynced.append(final)
             if kind == "tensors":
-                self._tensor_rows[final] = table.num_rows
+                self._tensor_rows[final] = (table.num_rows, time.monotonic())
         return final
 
-    def waiting_rows(self) -> int:
+    def waiting(self) -> tuple[int, float]:
         """Rows of the tensor segments this writer wrote that are still in the spool (not yet
-        ingested and deleted). A stat per segment, no file reads: it runs on the training thread."""
+        ingested and deleted), and the seconds the oldest of them has waited. A stat per segment, no
+        file reads: it runs on the training thread."""
         with self._lock:
             paths = list(self._tensor_rows)
         gone = [p for p in paths if not os.path.exists(p)]
         with self._lock:
             for p in gone:
                 self._tensor_rows.pop(p, None)
-            return sum(self._tensor_rows.values())
+            rows = sum(n for n, _ in self._tensor_rows.values())
+            oldest = min((t for _, t in self._tensor_rows.values()), default=None)
+        return rows, 0.0 if oldest is None else time.monotonic() - oldest
 
     def sync(self) -> None:
         """Flush (fsync) every segment written with ``durable=False`` since the last call, then the folder

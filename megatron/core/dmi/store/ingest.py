@@ -13,11 +13,8 @@ import hashlib
 import json
 import logging
 import os
-import threading
-import time
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 
 import numpy as np
@@ -27,7 +24,7 @@ import pyarrow.compute as pc
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.store import raw_segment
 from megatron.core.dmi.store import schema as S
-from megatron.core.dmi.store.backend import Backend, ChdbBackend, StoreBusyError
+from megatron.core.dmi.store.backend import Backend
 from megatron.core.dmi.store.raw_segment import CorruptSegmentError, VerifiedSegment
 from megatron.core.dmi.store.segments import Segment, list_segments, peek_segment_id, verify_segment
 
@@ -170,6 +167,22 @@ class IngestResult:
             mine[0] += n
             mine[1] += b
         self.errors.extend(e for e in other.errors if e not in self.errors)  # a stuck segment: said once
+
+    def to_dict(self) -> dict:
+        """Plain JSON types (the ingester process sends its result as JSON)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["missing_segments"] = sorted(self.missing_segments)
+        d["verified"] = [[run, attempt, rank, n, b] for (run, attempt, rank), (n, b) in self.verified.items()]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> IngestResult:
+        """The result ``to_dict`` wrote."""
+        d = dict(d)
+        d["missing_segments"] = set(d.get("missing_segments", ()))
+        d["verified"] = {(run, attempt, rank): [n, b] for run, attempt, rank, n, b in d.get("verified", ())}
+        d["errors"] = list(d.get("errors", ()))
+        return cls(**d)
 
     def note(self, msg: str, level: int = logging.ERROR) -> None:
         """Keep an error message once, logging it at ``level`` the first time."""
@@ -560,129 +573,3 @@ def _record_corrupt(backend: Backend, seg: Segment, spool_root: str, msg: str, s
         backend.insert_arrow("segments", pa.Table.from_pydict(row, schema=S.SEGMENTS_SCHEMA))
     except Exception as e:  # bookkeeping only
         log.warning("DMI: could not record corrupt segment %s: %s", seg.path, e)
-
-
-class IngesterThread:
-    """The per-node ingester: a background thread that owns the embedded store and loads every
-    rank's completed spool segments into it in batches, off the training thread.
-
-    If another process already owns the store (e.g. the ingester of another node on a shared file
-    system), this one stands down: that owner ingests every rank folder, including ours.
-    """
-
-    def __init__(
-        self, store_dir: str, database: str = S.DEFAULT_DATABASE, poll_s: float = 2.0, max_batch_bytes: int = 256 << 20
-    ):
-        """An ingester for the store under ``store_dir`` (``start`` opens it): a pass every ``poll_s`` seconds,
-        inserting batches of up to ``max_batch_bytes`` per kind."""
-        self.store_dir = store_dir
-        self.spool_root = os.path.join(store_dir, "spool")
-        self.database = database
-        self.poll_s = poll_s
-        self.max_batch_bytes = max_batch_bytes
-        self.result = IngestResult()
-        self.backend: ChdbBackend | None = None
-        self.owner = False
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._pass_lock = threading.Lock()
-        self._known: set[str] | None = None
-        self.credited: set[str] = set()  # tensor segments whose records were read back (ingest_spool)
-        self._thread: threading.Thread | None = None
-        self._finalized = False
-        self._paused = False
-
-    def start(self) -> IngesterThread:
-        """Open the store and start the thread; returns self. When the store is busy (``StoreBusyError``) this one
-        stands down with a warning; any other failure is kept in ``result.errors``."""
-        try:
-            self._open()
-        except StoreBusyError as e:
-            log.warning("DMI: not ingesting on this node: %s", e)
-            return self
-        except Exception as e:  # last resort: training goes on without this node's ingester (reported)
-            msg = f"DMI ingester could not open the store {self.store_dir}: {type(e).__name__}: {e}"
-            log.error(msg)
-            self.result.errors.append(msg)
-            return self
-        self._thread = threading.Thread(target=self._loop, name="dmi-ingester", daemon=True)
-        self._thread.start()
-        return self
-
-    def _open(self) -> None:
-        if self.backend is None:
-            b = ChdbBackend(os.path.join(self.store_dir, "chdb"), self.database)
-            try:
-                b.ensure_schema()
-            except BaseException:
-                b.close()
-                raise
-            self.backend = b
-            self.owner = True
-
-    def wake(self) -> None:
-        """Ask the thread for a pass now rather than at the next poll."""
-        self._wake.set()
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.poll_s)
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            try:
-                self.run_pass()
-            except Exception as e:  # keep training alive; the final pass and readers retry
-                msg = f"DMI ingest pass failed: {type(e).__name__}: {e}"
-                log.error(msg)
-                self.result.errors.append(msg)
-                time.sleep(min(10.0, self.poll_s * 2))
-
-    def run_pass(self) -> IngestResult:
-        """Ingest the spool's completed segments once, add what the pass did to ``result`` and return it (an empty
-        result when this process has not opened the store)."""
-        with self._pass_lock:
-            if self.backend is None:
-                return IngestResult()
-            if self._known is None:
-                self._known = known_segment_ids(self.backend)
-            r = ingest_spool(
-                self.backend,
-                self.spool_root,
-                delete=True,
-                known=self._known,
-                credited=self.credited,
-                max_batch_bytes=self.max_batch_bytes,
-            )
-            self.result.add(r)
-            if r.paused and not self._paused:  # loud once per episode; the report carries it too
-                warnings.warn(f"DMI: {r.paused}", RuntimeWarning, stacklevel=2)
-            elif self._paused and not r.paused:
-                log.warning("DMI: ingest resumed: the store's file system has room again")
-            self._paused = bool(r.paused)
-            return r
-
-    def stop(self) -> None:
-        """Stop the thread and wait for it to end."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def final_ingest(self, close: bool = True) -> IngestResult:
-        """Stop the thread and load everything left (every rank must have closed its sink)."""
-        self.stop()
-        r = IngestResult()
-        if self.backend is not None:
-            try:
-                r = self.run_pass()
-            except Exception as e:  # last resort: the run ends anyway; the segments stay for a reader
-                msg = f"DMI final ingest failed (segments stay in the spool; a reader loads them): {type(e).__name__}: {e}"
-                log.error(msg)
-                self.result.errors.append(msg)
-                r.errors.append(msg)
-            if close:
-                self.backend.close()
-                self.backend = None
-        return r

@@ -13,14 +13,15 @@ def _wait_for(path: str, timeout: float = 300) -> None:
 
 
 def hold_ingester(store_dir: str, ready: str, stop: str) -> dict:
-    """A training run's ingester: owns the store, loads the spool every 0.2 s until ``stop`` exists."""
-    from megatron.core.dmi.store.ingest import IngesterThread
+    """A training run's ingester process: owns the store, loads the spool every 0.2 s until ``stop`` exists."""
+    from megatron.core.dmi.store.ingester import IngesterProcess
 
-    ing = IngesterThread(store_dir, poll_s=0.2).start()
-    with open(ready, "w") as f:
+    ing = IngesterProcess(store_dir, poll_s=0.2).start()
+    with open(ready + ".tmp", "w") as f:
         f.write("owner" if ing.owner else "not owner")
+    os.replace(ready + ".tmp", ready)  # the test reads it as soon as it exists
     _wait_for(stop)
-    ing.final_ingest()
+    ing.finish()
     return {"owner": ing.owner, "records": ing.result.records, "errors": ing.result.errors}
 
 
@@ -44,9 +45,9 @@ def records_seen(store_dir: str) -> int:
 
 
 def ingest_all(store_dir: str) -> dict:
-    """What a training run's ingester does at start and at the end."""
-    from megatron.core.dmi.store.ingest import IngesterThread
+    """What a training run's ingester process does at start and at the end."""
+    from megatron.core.dmi.store.ingester import IngesterProcess
 
-    ing = IngesterThread(store_dir).start()
-    ing.final_ingest()
+    ing = IngesterProcess(store_dir).start()
+    ing.finish()
     return {"owner": ing.owner, "records": ing.result.records}

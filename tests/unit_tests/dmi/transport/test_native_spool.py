@@ -99,7 +99,7 @@ def test_drain_uses_the_native_writer_and_everything_reads_back(tmp_path, ring):
     raw = [s for s in list_segments(str(tmp_path)) if s.raw]
     assert len(raw) >= 3, "segments rotate at segment_bytes"
     assert sum(segment_rows_bytes(s)[0] for s in raw) == 30
-    assert sink.store_lag() is None and sink.spool.waiting_rows() == 30
+    assert sink.store_lag() is None and sink.spool.waiting()[0] == 30
     sent.update(publish_many(ring, 5, start=30))
     drain.close()
     report = sink.close()

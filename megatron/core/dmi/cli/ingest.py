@@ -1,0 +1,84 @@
+"""``ingest``: be a store's ingester (store/ingester.py).
+
+A training run with ``--dmi-persist clickhouse`` starts one itself; run it by hand for a job whose
+ranks only spool (``--dmi-persist spool``) or to keep one store loaded across several runs:
+
+    megatron-dmi ingest dmi_store --follow      # until Ctrl-C or SIGTERM, then a final pass
+    megatron-dmi ingest dmi_store               # one pass, then exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megatron.core.dmi.cli.common import add_subcommand, database_arg
+
+
+def cmd_ingest(args) -> int:
+    """``ingest``: load the store's spool into it, once or (``--follow``) until told to stop."""
+    from megatron.core.dmi.store.ingester import EXIT_STANDING_DOWN, serve
+
+    if not os.path.isdir(args.store):
+        print(f"error: no DMI store directory at {args.store}", file=sys.stderr)
+        return 2
+    by_hand = args.control is None
+    rc = serve(
+        args.store,
+        database=args.database,
+        follow=args.follow,
+        poll_s=args.poll_seconds,
+        threads=args.threads,
+        nice=args.nice,
+        control=sys.stdin if args.control == "stdin" else None,
+        out=None if by_hand else sys.stdout,
+        interrupt_finishes=by_hand,
+    )
+    if by_hand:
+        from megatron.core.dmi.store.ingester import read_status
+
+        s = read_status(args.store)
+        if rc == EXIT_STANDING_DOWN:
+            print(f"not ingesting: another process holds the store {args.store}", file=sys.stderr)
+        elif s is not None:
+            r = s.result
+            print(
+                f"ingested {r.get('segments_loaded', 0)} segment(s), {r.get('records', 0)} record(s) in "
+                f"{s.passes} pass(es); {s.waiting_segments} segment(s) left in the spool"
+            )
+            for e in r.get("errors", []):
+                print(f"  ! {e}")
+    return rc
+
+
+def _int_in(low: int, high: int | None):
+    """An argparse type: an integer from ``low`` to ``high`` (no limit when None)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = None
+        if n is None or n < low or (high is not None and n > high):
+            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high or 'any'}, got {text!r}")
+        return n
+
+    return parse
+
+
+def _setup_ingest(p):
+    p.add_argument("store", help="the store directory (holding spool/ and chdb/)")
+    p.add_argument("--follow", action="store_true", help="keep ingesting until Ctrl-C or SIGTERM, then a final pass")
+    p.add_argument("--database", type=database_arg, default="dmi")
+    p.add_argument("--poll-seconds", type=float, default=2.0, help="a pass at least this often (default 2)")
+    p.add_argument(
+        "--threads", type=_int_in(1, None), default=None, help="chDB threads (default: a quarter of the cores, 1-4)"
+    )
+    p.add_argument("--nice", type=_int_in(0, 19), default=0, help="lower this process's CPU priority by this (0-19)")
+    # the training process's supervisor talks to the ingester through its stdin ("wake", "final")
+    p.add_argument("--control", choices=["stdin"], default=None, help="(used by a training run's supervisor)")
+    p.set_defaults(func=cmd_ingest)
+
+
+add_subcommand("ingest", _setup_ingest, "be the store's ingester: load its spool (--follow: keep loading)")
