@@ -19,7 +19,8 @@ Also records the snapshot's own cost (link time, parts and files linked) and the
 
 ``--commands`` measures every reading command instead (issue 32), each a whole process, on each store given:
 ``show``, ``runs``, ``describe``, ``expert-load``, ``drops``, ``tensor`` (the first captured output, iteration and
-layer), ``watch --once`` and the routing analyses whose outputs the store holds::
+layer), ``watch --once``, the routing analyses whose outputs the store holds and ``routing-diff`` (the run
+against itself)::
 
     .venv/bin/python benchmarks/cli_speed.py --commands dmi_store/quickstart dmi_store/it300 \
         --repeats 5 --json benchmarks/results/cli_commands_cpu2.json
@@ -141,6 +142,8 @@ def reading_commands(store: str) -> tuple[dict[str, list[str]], dict]:
     for name, needs in ANALYSES.items():
         if needs <= set(facts["outputs"]):
             commands[name] = [name, store]
+    if "router.topk_ids" in facts["outputs"]:
+        commands["routing-diff"] = ["routing-diff", store, store]  # the run against itself: two stores opened
     return commands, facts
 
 

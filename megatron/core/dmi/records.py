@@ -86,6 +86,41 @@ def tensor_to_payload(t: torch.Tensor) -> bytes:
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+# numpy's dtype of each stored dtype. numpy has no bfloat16: its payloads are read as their uint16 bit patterns,
+# which ``payload_to_array`` widens to float32 (exact: bfloat16 is float32's upper half).
+NUMPY_DTYPE: dict[str, str] = {
+    "float32": "<f4",
+    "float64": "<f8",
+    "bfloat16": "<u2",
+    "float16": "<f2",
+    "int32": "<i4",
+    "int64": "<i8",
+    "uint8": "u1",
+    "bool": "?",
+}
+
+
+def payload_to_array(payload: bytes, dtype: str, shape: Sequence[int]) -> np.ndarray:
+    """The values of a payload without torch: a read-only numpy view of its bytes in the key's shape, bfloat16
+    widened to float32 (a copy; every value exact, NaN payloads included: ``array_to_tensor`` narrows it back
+    bitwise)."""
+    flat = np.frombuffer(payload, dtype=NUMPY_DTYPE[dtype])
+    if dtype == "bfloat16":
+        flat = (flat.astype(np.uint32) << 16).view(np.float32)
+    return flat.reshape(tuple(shape))
+
+
+def array_to_tensor(values: np.ndarray, dtype: str) -> torch.Tensor:
+    """The torch tensor of ``dtype`` holding ``values`` (as ``payload_to_array`` gives them: bfloat16 as float32
+    widened from bfloat16, narrowed back by dropping the low 16 bits, which are zero); a copy."""
+    import torch
+
+    values = np.array(values, dtype=np.float32 if dtype == "bfloat16" else NUMPY_DTYPE[dtype], order="C", copy=True)
+    if dtype == "bfloat16":
+        return torch.from_numpy((values.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(values)
+
+
 def payload_to_tensor(payload: bytes, dtype: str, shape: Sequence[int]) -> torch.Tensor:
     """The tensor of a payload's raw bytes (a copy: the payload stays untouched)."""
     import torch

@@ -1,7 +1,7 @@
 """The reading commands of ``megatron-dmi``: ``show``, ``runs``, ``describe``, ``tensor``,
 ``expert-load``, ``drops``, ``load``, ``export`` and the analyses. Each opens a snapshot of the
 store (reader/snapshot.py: hard links under the store's ``.readers/``, removed on exit) and changes
-nothing in the store, except ``load``, which writes. Only ``tensor`` imports torch.
+nothing in the store, except ``load``, which writes. Only ``tensor --save`` imports torch.
 """
 
 from __future__ import annotations
@@ -133,15 +133,15 @@ def cmd_describe(args) -> int:
 
 
 def cmd_tensor(args) -> int:
-    """``tensor``: rebuild one full tensor from its shards and print or save it."""
-    import torch
+    """``tensor``: rebuild one full tensor from its shards and print or save it (torch only for ``--save``)."""
+    import numpy as np
 
     from megatron.core.dmi.reader import AmbiguousLayerError
 
     with open_store_of(args) as store:
         run_id = store.resolve_run(args.run_id)
         try:
-            t = store.tensor(
+            t = store.rebuild(
                 run_id, args.output, args.iteration, args.microbatch, args.layer, args.phase, args.dp, args.invocation
             )
         except AmbiguousLayerError as e:
@@ -149,16 +149,19 @@ def cmd_tensor(args) -> int:
             return 2
     print(
         f"{args.output} run {run_id} iteration {args.iteration} microbatch {args.microbatch} layer {args.layer}: "
-        f"shape {list(t.shape)} dtype {str(t.dtype).replace('torch.', '')}"
+        f"shape {list(t.shape)} dtype {t.dtype}"
     )
-    if t.numel():
-        f = t.double()
-        print(
-            f"  min {f.min().item():.6g}  max {f.max().item():.6g}  mean {f.mean().item():.6g}  "
-            f"std {f.std().item() if t.numel() > 1 else 0.0:.6g}  nan {int(torch.isnan(f).sum())}  inf {int(torch.isinf(f).sum())}"
-        )
+    if t.values.size:
+        f = t.values.astype(np.float64)
+        with np.errstate(all="ignore"):  # inf - inf in the mean is the NaN printed, not a warning
+            print(
+                f"  min {f.min():.6g}  max {f.max():.6g}  mean {f.mean():.6g}  std {f.std(ddof=1) if f.size > 1 else 0.0:.6g}"
+                f"  nan {int(np.isnan(f).sum())}  inf {int(np.isinf(f).sum())}"
+            )
     if args.save:
-        torch.save(t, args.save)
+        import torch
+
+        torch.save(t.torch(), args.save)
         print(f"  saved to {args.save}")
     return 0
 
@@ -492,10 +495,11 @@ add_subcommand(
 
 def cmd_routing_diff(args) -> int:
     """Print the routing difference of two runs, per layer and iteration."""
-    from megatron.core.dmi.reader.routing_diff import expert_sets_of, routing_diff
+    from megatron.core.dmi.reader.routing_diff import ExpertSetsProcess, read_expert_sets, routing_diff
 
-    run_a, sets_a = expert_sets_of(args.run_a, args.phase)
-    run_b, sets_b = expert_sets_of(args.run_b, args.phase)
+    with ExpertSetsProcess(args.run_b, args.phase) as other:  # reads run B while this process reads run A
+        run_a, sets_a = read_expert_sets(args.run_a, args.phase)
+        run_b, sets_b = other.result()
     df = routing_diff(sets_a, sets_b)
     print(f"routing difference of run {run_a} and run {run_b} ({args.phase}): share of tokens whose expert set differs")
     print_table(df)

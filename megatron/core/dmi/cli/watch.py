@@ -226,7 +226,7 @@ def _setup_watch(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-entropy",
         action="store_true",
-        help="skip the router entropy (it decodes router.logits, which needs torch)",
+        help="skip the router entropy (it decodes router.logits)",
     )
     p.set_defaults(func=cmd_watch)
 

@@ -27,15 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
+from megatron.core.dmi.reader.reconstruct import descending_order
 from megatron.core.dmi.reader.store import Store, StoreError
-
-if TYPE_CHECKING:  # torch is imported by the analyses that decode payloads: routing_concentration needs none
-    import torch
 
 
 @dataclass
@@ -115,14 +112,12 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / denominator) if denominator > 0 else float("nan")
 
 
-def predicted_expert_counts(hidden: torch.Tensor, weight: torch.Tensor, topk: int) -> torch.Tensor:
+def predicted_expert_counts(hidden: np.ndarray, weight: np.ndarray, topk: int) -> np.ndarray:
     """Tokens per expert among the top-``topk`` of ``hidden @ weight.T`` (hidden: [..., h], weight
     [E, h]), computed in fp32; ties go to the lower expert id."""
-    import torch
-
-    logits = hidden.reshape(-1, hidden.shape[-1]).float() @ weight.float().T
-    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :topk]
-    return torch.bincount(order.reshape(-1), minlength=weight.shape[0])
+    logits = hidden.reshape(-1, hidden.shape[-1]).astype(np.float32) @ weight.astype(np.float32).T
+    order = descending_order(logits)[:, :topk]
+    return np.bincount(order.reshape(-1), minlength=weight.shape[0])
 
 
 def _stored(
@@ -177,8 +172,8 @@ def routing_predictability(
             actual = actual_all[(actual_all.iteration == it) & (actual_all.layer == layer)]
             if not shards or actual.empty:
                 continue
-            weight = store.tensor(run_id, "router.weight", it, 0, layer, phase)
-            hidden = [store.tensor(run_id, "resid.in", it, mb, layer - 1, phase, dp) for dp, mb in shards]
+            weight = store.array(run_id, "router.weight", it, 0, layer, phase)
+            hidden = [store.array(run_id, "resid.in", it, mb, layer - 1, phase, dp) for dp, mb in shards]
             tokens = sum(h.shape[0] * h.shape[1] for h in hidden)
             actual_counts = actual.sort_values("expert")["tokens_pre"].to_numpy(dtype=np.float64)
             topk, rest = divmod(int(actual_counts.sum()), tokens)
@@ -187,7 +182,7 @@ def routing_predictability(
                     f"iteration {it} layer {layer}: {int(actual_counts.sum())} routed slots over {tokens} "
                     "resid.in tokens is not a whole top-k: the layer's inputs or counts are incomplete"
                 )
-            predicted = sum(predicted_expert_counts(h, weight, topk) for h in hidden).double().numpy()
+            predicted = sum(predicted_expert_counts(h, weight, topk) for h in hidden).astype(np.float64)
             rows.append(
                 {
                     "iteration": it,
@@ -221,8 +216,6 @@ def loss_vs_routing(
     whether the layer dropped at least one of their routes) and their mean loss ``loss_dropped`` /
     ``loss_kept`` (NaN without such tokens), over every stored microbatch and data-parallel rank.
     A loss mask stored as NaN (the step passed none) counts every token."""
-    import torch
-
     run_id = store.resolve_run(run_id)
     visible = store.visible_attempts(run_id)
     its = sorted(i for p, i in visible if p == phase and (not iterations or i in set(iterations)))
@@ -236,17 +229,17 @@ def loss_vs_routing(
             if (not layers or layer in set(layers)) and layer in experts.index
         ]
         for dp, mb in _stored(store, run_id, phase, it, attempt, "loss.token", "dp, microbatch"):
-            loss_and_mask = store.tensor(run_id, "loss.token", it, mb, None, phase, dp).double()
+            loss_and_mask = store.array(run_id, "loss.token", it, mb, None, phase, dp).astype(np.float64)
             loss = loss_and_mask[..., 0].reshape(-1)
-            weight = torch.nan_to_num(loss_and_mask[..., 1].reshape(-1), nan=1.0)
+            weight = np.nan_to_num(loss_and_mask[..., 1].reshape(-1), nan=1.0)
             for layer in routed:
-                ids = store.tensor(run_id, "router.topk_ids", it, mb, layer, phase, dp)
+                ids = store.array(run_id, "router.topk_ids", it, mb, layer, phase, dp)
                 if ids.shape[0] != loss.shape[0]:
                     raise StoreError(
                         f"iteration {it} microbatch {mb} dp {dp} layer {layer}: {ids.shape[0]} routed tokens "
                         f"but {loss.shape[0]} per-token losses"
                     )
-                dropped = (ids == int(experts[layer])).any(dim=-1)
+                dropped = (ids == int(experts[layer])).any(axis=-1)
                 acc = sums.setdefault((it, layer), np.zeros(4))
                 for column, chosen in ((0, dropped), (2, ~dropped)):
                     w = weight[chosen]
@@ -303,19 +296,19 @@ def grad_norms(
     its = sorted(i for p, i in visible if p == phase and (not iterations or i in set(iterations)))
     wanted_layers = set(layers or ())
     squares: dict[tuple[int, int, str], list] = {}  # (iteration, layer, output) -> [sum of squares, tokens]
-    expert_squares: dict[tuple[int, int], torch.Tensor] = {}  # (iteration, layer) -> [E] sums of squares
+    expert_squares: dict[tuple[int, int], np.ndarray] = {}  # (iteration, layer) -> [E] sums of squares
     for it in its:
         attempt = visible[(phase, it)]
         for output in GRADIENTS:
             for layer, dp, mb in _stored(store, run_id, phase, it, attempt, output, "layer, dp, microbatch"):
                 if wanted_layers and layer not in wanted_layers:
                     continue
-                gradient = store.tensor(run_id, output, it, mb, layer, phase, dp).double()
+                gradient = store.array(run_id, output, it, mb, layer, phase, dp).astype(np.float64)
                 acc = squares.setdefault((it, layer, output), [0.0, 0])
-                acc[0] += float(gradient.square().sum())
-                acc[1] += gradient.numel() // gradient.shape[-1]  # every dim but the last is tokens
+                acc[0] += float(np.square(gradient).sum())
+                acc[1] += gradient.size // gradient.shape[-1]  # every dim but the last is tokens
                 if output == "grad.router_logits":
-                    columns = gradient.square().sum(dim=0)
+                    columns = np.square(gradient).sum(axis=0)
                     expert_squares[(it, layer)] = expert_squares.get((it, layer), 0) + columns
     if not squares:
         raise StoreError(

@@ -17,6 +17,10 @@ layer, output, invocation), following the catalog's combine rule.
 
 Records with equal (token range, shard index) are duplicates: identical ones (replicated producers,
 e.g. TP ranks routing the same tokens) are kept once, differing ones are an error.
+
+The rebuild runs in numpy (``rebuild`` returns a ``Rebuilt``: the stored dtype's name and the values), so the
+reading commands never import torch (about 1.6 s); ``reconstruct`` and ``Rebuilt.torch`` give torch tensors,
+bitwise those of the payloads, for callers who want them.
 """
 
 from __future__ import annotations
@@ -24,12 +28,39 @@ from __future__ import annotations
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from megatron.core.dmi import catalog
 from megatron.core.dmi.reader.errors import ReconstructionError, format_ranges
-from megatron.core.dmi.records import Record
+from megatron.core.dmi.records import Record, array_to_tensor, payload_to_array
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """A rebuilt tensor without torch: ``dtype`` its name in the store (``bfloat16``, ``int32`` ...), ``values``
+    a numpy array of its values (bfloat16 widened exactly to float32: numpy has no bfloat16)."""
+
+    dtype: str
+    values: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape."""
+        return self.values.shape
+
+    def torch(self) -> torch.Tensor:
+        """The tensor in torch, of the stored dtype (bitwise the stored values)."""
+        return array_to_tensor(self.values, self.dtype)
+
+
+def _values(record: Record) -> np.ndarray:
+    return payload_to_array(record.payload, record.key.dtype, record.key.shape)
 
 
 def _ranks(recs: Iterable[Record]) -> str:
@@ -79,7 +110,18 @@ def reconstruct(
     what: str = "",
     expected_ranks: dict[int, list[int]] | None = None,
 ) -> torch.Tensor:
-    """The full tensor from ``records`` (all of one key up to the shard fields).
+    """``rebuild``'s tensor in torch (imports torch)."""
+    return rebuild(records, output, what=what, expected_ranks=expected_ranks).torch()
+
+
+def rebuild(
+    records: Sequence[Record],
+    output: str | None = None,
+    *,
+    what: str = "",
+    expected_ranks: dict[int, list[int]] | None = None,
+) -> Rebuilt:
+    """The full tensor from ``records`` (all of one key up to the shard fields), without torch.
 
     ``expected_ranks`` (optional, shard index -> ranks that should have produced it, from the
     topology table) only enriches the error messages.
@@ -126,20 +168,16 @@ def reconstruct(
 
     _check_tiling(list(by_range), total, what, {k: v.values() for k, v in by_range.items()}, exp())
 
+    dtype = records[0].key.dtype
     if combine == "sum":
-        acc = None
-        for rng in sorted(by_range):
-            for r in by_range[rng].values():
-                t = r.tensor()
-                if acc is None:
-                    acc = t.clone()
-                elif t.shape != acc.shape:
-                    raise ReconstructionError(
-                        f"{what}: cannot sum shapes {list(acc.shape)} and {list(t.shape)} (rank {r.key.coords.rank})"
-                    )
-                else:
-                    acc += t
-        return acc
+        parts = [r for rng in sorted(by_range) for r in by_range[rng].values()]
+        for r in parts[1:]:
+            if r.key.shape != parts[0].key.shape:
+                raise ReconstructionError(
+                    f"{what}: cannot sum shapes {list(parts[0].key.shape)} and {list(r.key.shape)} "
+                    f"(rank {r.key.coords.rank})"
+                )
+        return Rebuilt(dtype, _sum([_values(r) for r in parts], dtype))
 
     pieces = []
     for rng in sorted(by_range):
@@ -150,38 +188,56 @@ def reconstruct(
                 f"{what}: tokens [{rng[0]}, {rng[1]}): shard(s) {missing} of {shard_count} missing "
                 f"(present from rank(s) {_ranks(shards.values())}){exp(missing[0])}"
             )
-        ts = [shards[i].tensor() for i in range(shard_count)]
+        ts = [_values(shards[i]) for i in range(shard_count)]
         if combine in _MERGES:
             ts = [_MERGES[combine](ts)]
         elif shard_count > 1:
             if shard_dim is None:
                 raise ReconstructionError(f"{what}: {shard_count} shards but output {output} has no shard dimension")
-            ts = [torch.cat(ts, dim=shard_dim)]
+            ts = [np.concatenate(ts, axis=shard_dim)]
         pieces.append(ts[0])
-    if len(pieces) == 1:
-        return pieces[0].clone() if pieces[0].numel() else pieces[0]
-    return torch.cat(pieces, dim=0)
+    values = pieces[0].copy() if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+    return Rebuilt("float64" if combine == "log_softmax" else dtype, values)
 
 
-def merge_topk(shards: list[torch.Tensor]) -> torch.Tensor:
+def _sum(parts: list[np.ndarray], dtype: str) -> np.ndarray:
+    """The shards added one by one in the stored dtype (numpy rounds float16 sums as torch does); bfloat16,
+    which numpy lacks, is added by torch."""
+    if dtype == "bfloat16":
+        acc = array_to_tensor(parts[0], dtype)
+        for p in parts[1:]:
+            acc += array_to_tensor(p, dtype)
+        return acc.float().numpy()
+    acc = parts[0].copy()
+    for p in parts[1:]:
+        acc += p
+    return acc
+
+
+def descending_order(values: np.ndarray) -> np.ndarray:
+    """Indices sorting the last axis largest first, stable, NaN first (torch's descending stable sort)."""
+    return np.lexsort((-values, ~np.isnan(values)), axis=-1)
+
+
+def merge_topk(shards: list[np.ndarray]) -> np.ndarray:
     """[..., k, 2] (value, id) pairs of each vocabulary shard -> the k largest of their union,
     largest first, ties by the lower id (values are copied, never recomputed)."""
     k = shards[0].shape[-2]
-    union = torch.cat(shards, dim=-2)
-    by_id = torch.sort(union[..., 1], dim=-1, stable=True).indices
-    union = union.gather(-2, by_id.unsqueeze(-1).expand_as(union))
-    order = torch.sort(union[..., 0], dim=-1, descending=True, stable=True).indices[..., :k]
-    return union.gather(-2, order.unsqueeze(-1).expand(*order.shape, 2))
+    union = np.concatenate(shards, axis=-2)
+    by_id = np.argsort(union[..., 1], axis=-1, kind="stable")
+    union = np.take_along_axis(union, by_id[..., None], axis=-2)
+    order = descending_order(union[..., 0])[..., :k]
+    return np.take_along_axis(union, order[..., None], axis=-2)
 
 
-def merge_log_softmax(shards: list[torch.Tensor]) -> torch.Tensor:
+def merge_log_softmax(shards: list[np.ndarray]) -> np.ndarray:
     """[..., 3] (max logit, sum of exp(logit - max), label logit or -inf) of each vocabulary shard ->
     [...] fp64 log-probability of the label: label logit - log(sum over shards of sum * exp(max - M)) - M."""
-    parts = torch.stack(shards).double()
-    peak = parts[..., 0].max(dim=0).values
-    total = (parts[..., 1] * torch.exp(parts[..., 0] - peak)).sum(dim=0)
-    label = parts[..., 2].max(dim=0).values
-    return label - peak - torch.log(total)
+    parts = np.stack(shards).astype(np.float64)
+    peak = parts[..., 0].max(axis=0)
+    total = (parts[..., 1] * np.exp(parts[..., 0] - peak)).sum(axis=0)
+    label = parts[..., 2].max(axis=0)
+    return label - peak - np.log(total)
 
 
 _MERGES = {"topk": merge_topk, "log_softmax": merge_log_softmax}
@@ -189,7 +245,7 @@ _MERGES = {"topk": merge_topk, "log_softmax": merge_log_softmax}
 
 def rebuild_expert_rows(
     records: Sequence[Record], sources: dict[int, tuple[int, int]], dp: int, what: str = "mlp.experts"
-) -> torch.Tensor:
+) -> np.ndarray:
     """The ``mlp.experts`` rows of data-parallel rank ``dp``: [rows, h + 3] fp32, by expert then token.
 
     Args:
@@ -209,39 +265,39 @@ def rebuild_expert_rows(
             have the same number of rows (a rank's records are missing).
     """
     fields = len(catalog.EXPERT_ROW_FIELDS)
-    tables = [r.tensor() for r in sorted(records, key=lambda r: (r.key.shard_index, r.key.coords.rank))]
-    rows = torch.cat(tables) if tables else torch.zeros(0, fields)
+    tables = [_values(r) for r in sorted(records, key=lambda r: (r.key.shard_index, r.key.coords.rank))]
+    rows = np.concatenate(tables) if tables else np.zeros((0, fields), dtype=np.float32)
     hidden = rows.shape[1] - fields
-    expert, source, token, per_source = rows[:, hidden : hidden + 4].long().unbind(1)
-    unknown = set(source.unique().tolist()) - set(sources)
+    expert, source, token, per_source = rows[:, hidden : hidden + 4].astype(np.int64).T
+    unknown = set(np.unique(source).tolist()) - set(sources)
     if unknown:
         raise ReconstructionError(
             f"{what}: rows name rank(s) {sorted(unknown)} that the topology does not list: the records of a rank of "
             "the expert group are missing"
         )
-    lookup = torch.full((max(sources, default=0) + 1, 2), -1, dtype=torch.long)
+    lookup = np.full((max(sources, default=0) + 1, 2), -1, dtype=np.int64)
     for rank, coords in sources.items():
-        lookup[rank] = torch.tensor(coords)
+        lookup[rank] = coords
     mine = lookup[source, 0] == dp
     rows, expert, per_source = rows[mine], expert[mine], per_source[mine]
     token = lookup[source[mine], 1] * per_source + token[mine]
-    tokens = int(token.max()) + 1 if token.numel() else 0
+    tokens = int(token.max()) + 1 if token.size else 0
     # one output row per (expert, token): ETP ranks' partials added, in record order
-    key, inverse = torch.unique(expert * tokens + token, return_inverse=True)
-    out = torch.zeros(key.numel(), hidden, dtype=torch.float32).index_add_(0, inverse, rows[:, :hidden])
-    prob = torch.zeros(key.numel(), dtype=torch.float32).scatter_(0, inverse, rows[:, hidden + 4])
+    key, inverse = np.unique(expert * tokens + token, return_inverse=True)
+    out = np.zeros((key.size, hidden), dtype=np.float32)
+    np.add.at(out, inverse, rows[:, :hidden])
+    prob = np.zeros(key.size, dtype=np.float32)
+    prob[inverse] = rows[:, hidden + 4]
     expert, token = key // max(tokens, 1), key % max(tokens, 1)
-    per_token = torch.bincount(token, minlength=tokens)
-    if per_token.numel() and (per_token != per_token[0]).any():
-        short = (per_token != per_token.max()).nonzero().flatten()
+    per_token = np.bincount(token, minlength=tokens)
+    if per_token.size and (per_token != per_token[0]).any():
+        short = np.flatnonzero(per_token != per_token.max())
         raise ReconstructionError(
             f"{what}: dp {dp}: token(s) {format_ranges(short.tolist())} of {tokens} have fewer rows than the others "
-            f"({per_token.max().item()}): the records of a rank of the expert group are missing"
+            f"({per_token.max()}): the records of a rank of the expert group are missing"
         )
-    # slot: by token, then probability descending, then expert (stable sorts, last key first)
-    order = torch.arange(key.numel())
-    order = order[torch.sort(prob[order], descending=True, stable=True).indices]
-    order = order[torch.sort(token[order], stable=True).indices]
-    slot = torch.empty_like(token)
-    slot[order] = torch.arange(key.numel()) % max(int(per_token.max()) if per_token.numel() else 1, 1)
-    return torch.cat([out, torch.stack([expert, token, slot], dim=1).float()], dim=1)
+    # slot: by token, then probability descending (NaN first), then expert (a stable sort, last key first)
+    order = np.lexsort((-prob, ~np.isnan(prob), token))
+    slot = np.empty_like(token)
+    slot[order] = np.arange(key.size) % max(int(per_token.max()) if per_token.size else 1, 1)
+    return np.concatenate([out, np.stack([expert, token, slot], axis=1).astype(np.float32)], axis=1)

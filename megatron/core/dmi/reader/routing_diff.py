@@ -33,39 +33,75 @@ ExpertSets = dict[tuple[int, int, int, int], np.ndarray]
 
 def expert_sets(store: Store, run_id: str, phase: str = "train") -> ExpertSets:
     """Every visible ``router.topk_ids`` tensor of ``run_id`` in ``phase``, each token's ids sorted."""
-    from megatron.core.dmi.reader.store import _VISIBLE
+    return {key: np.sort(ids.values, axis=1) for key, ids in store.rebuild_each(run_id, OUTPUT, phase).items()}
 
-    keys = store.sql(
-        f"SELECT DISTINCT iteration, microbatch, layer, dp FROM {store.t('tensors')} FINAL "
-        f"WHERE run_id = {{run:String}} AND output = '{OUTPUT}' AND phase = {{phase:String}} AND invocation = 0 "
-        f"AND {_VISIBLE} ORDER BY iteration, microbatch, layer, dp",
-        {**store._vis_params(run_id), "phase": phase},
-    ).to_pylist()
-    out = {}
-    for k in keys:
-        key = (int(k["iteration"]), int(k["microbatch"]), int(k["layer"]), int(k["dp"]))
-        ids = store.tensor(run_id, OUTPUT, key[0], key[1], key[2], phase=phase, dp=key[3])
-        out[key] = np.sort(ids.numpy(), axis=1)
-    return out
+
+# The subprocess's program. ``-m megatron.core.dmi.reader.routing_diff`` would first run megatron-core's package
+# ``__init__`` (torch and most of megatron-core: seconds per run); megatron_dmi registers the package bare.
+_DUMP = (
+    "import sys, megatron_dmi; megatron_dmi.register_bare_core();"
+    "from megatron.core.dmi.reader.routing_diff import dump; sys.exit(dump(*sys.argv[1:4]))"
+)
+
+
+class ExpertSetsProcess:
+    """``expert_sets`` of ``STORE[@RUN]`` read by a subprocess, which starts at once: the caller may read another
+    store meanwhile (opening a store is most of the time; a process holds one chDB store at a time)."""
+
+    def __init__(self, spec: str, phase: str = "train"):
+        """Start the subprocess reading ``spec``'s expert sets in ``phase``."""
+        self.spec = spec
+        self._tmp = tempfile.TemporaryDirectory(prefix="dmi-routing-diff-")
+        self._out = os.path.join(self._tmp.name, "sets.npz")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _DUMP, spec, self._out, phase],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def __enter__(self) -> ExpertSetsProcess:
+        """The running subprocess; leaving the block stops it if it still runs."""
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Stop the subprocess if it still runs (the caller failed first) and remove its output."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        self._proc.stderr.close()
+        self._tmp.cleanup()
+
+    def result(self) -> tuple[str, ExpertSets]:
+        """(run id, expert sets), once the subprocess ends. Raises StoreError with its one-line reason."""
+        with self:
+            stderr = self._proc.communicate()[1]
+            if self._proc.returncode != 0:
+                lines = stderr.strip().splitlines() or [f"{self.spec}: status {self._proc.returncode}"]
+                raise StoreError(lines[-1].removeprefix("error: "))
+            with np.load(self._out) as data:
+                names = [name for name in data.files if name != "run_id"]
+                return str(data["run_id"]), {tuple(int(x) for x in n.split("_")): data[n] for n in names}
 
 
 def expert_sets_of(spec: str, phase: str = "train") -> tuple[str, ExpertSets]:
     """(run id, expert sets) of ``STORE[@RUN]`` (the store's latest run without ``@RUN``), read in a
     subprocess. Raises StoreError with the subprocess's one-line reason."""
-    with tempfile.TemporaryDirectory(prefix="dmi-routing-diff-") as tmp:
-        out = os.path.join(tmp, "sets.npz")
-        proc = subprocess.run(
-            [sys.executable, "-m", "megatron.core.dmi.reader.routing_diff", spec, out, phase],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            lines = proc.stderr.strip().splitlines() or [f"status {proc.returncode}"]
-            raise StoreError(f"{spec}: {lines[-1].removeprefix('error: ')}")
-        with np.load(out) as data:
-            run_id = str(data["run_id"])
-            sets = {tuple(int(x) for x in name.split("_")): data[name] for name in data.files if name != "run_id"}
-    return run_id, sets
+    return ExpertSetsProcess(spec, phase).result()
+
+
+def read_expert_sets(spec: str, phase: str = "train") -> tuple[str, ExpertSets]:
+    """``expert_sets_of`` read in this process (which then holds that store's chDB session until it ends); a
+    StoreError names ``spec``."""
+    from megatron.core.dmi.reader.store import open_store
+
+    store_path, run = parse_store_run(spec)
+    try:
+        with open_store(store_path) as store:
+            run_id = store.resolve_run(run)
+            return run_id, expert_sets(store, run_id, phase)
+    except StoreError as exc:
+        raise StoreError(f"{spec}: {exc}") from None
 
 
 def routing_diff(a: ExpertSets, b: ExpertSets) -> pd.DataFrame:
@@ -90,20 +126,13 @@ def routing_diff(a: ExpertSets, b: ExpertSets) -> pd.DataFrame:
     return df
 
 
-def _dump(spec: str, out: str, phase: str) -> int:
-    from megatron.core.dmi.reader.store import open_store
-
-    store_path, run = parse_store_run(spec)
+def dump(spec: str, out: str, phase: str) -> int:
+    """Write ``expert_sets`` of ``STORE[@RUN]`` to the ``.npz`` file ``out`` (``ExpertSetsProcess``'s program);
+    returns the exit status (2, with the reason on stderr, for a store error)."""
     try:
-        with open_store(store_path) as store:
-            run_id = store.resolve_run(run)
-            sets = expert_sets(store, run_id, phase)
+        run_id, sets = read_expert_sets(spec, phase)
     except StoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     np.savez(out, run_id=np.array(run_id), **{"_".join(map(str, k)): v for k, v in sets.items()})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_dump(*sys.argv[1:4]))

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 
@@ -38,6 +39,7 @@ from megatron.core.dmi.reader.errors import (
     StoreError,
     format_ranges,
 )
+from megatron.core.dmi.reader.reconstruct import Rebuilt, rebuild, rebuild_expert_rows
 from megatron.core.dmi.reader.snapshot import ReaderSnapshot, SnapshotStats, link_spool, link_store
 from megatron.core.dmi.records import TENSOR_SCHEMA, Record
 from megatron.core.dmi.store import schema as S
@@ -132,6 +134,17 @@ _MODEL_HEADLINE = (
     "seq_length",
     "sequence_parallel",
 )
+
+
+def token_entropy(logits: np.ndarray) -> np.ndarray:
+    """Entropy (nats) of softmax over the last axis of ``logits``, per token, in fp32 (as torch's softmax and
+    entr compute it: 0 log 0 = 0)."""
+    x = logits.astype(np.float32)
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    p = e / e.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(p == 0, np.float32(0), -p * np.log(p))
+    return terms.sum(axis=-1)
 
 
 def _json_or_empty(text: str | None) -> dict:
@@ -590,8 +603,36 @@ class Store:
         dp: int = 0,
         invocation: int = 0,
     ) -> torch.Tensor:
-        """The full tensor rebuilt from every TP/SP/EP/CP/PP shard (see reconstruct.py for the rules).
-        Raises ReconstructionError on a gap, an overlap or conflicting duplicates."""
+        """The full tensor rebuilt from every TP/SP/EP/CP/PP shard (see reconstruct.py for the rules), in torch,
+        bitwise as stored. Raises ReconstructionError on a gap, an overlap or conflicting duplicates."""
+        return self.rebuild(run_id, output, iteration, microbatch, layer, phase, dp, invocation).torch()
+
+    def array(
+        self,
+        run_id: str,
+        output: str,
+        iteration: int,
+        microbatch: int = 0,
+        layer: int | None = None,
+        phase: str = "train",
+        dp: int = 0,
+        invocation: int = 0,
+    ) -> np.ndarray:
+        """``tensor``'s values as a numpy array, without importing torch (bfloat16 widened exactly to float32)."""
+        return self.rebuild(run_id, output, iteration, microbatch, layer, phase, dp, invocation).values
+
+    def rebuild(
+        self,
+        run_id: str,
+        output: str,
+        iteration: int,
+        microbatch: int = 0,
+        layer: int | None = None,
+        phase: str = "train",
+        dp: int = 0,
+        invocation: int = 0,
+    ) -> Rebuilt:
+        """``tensor`` without torch: the stored dtype's name and the values (``Rebuilt``)."""
         spec = catalog.BY_NAME.get(output)
         rows = spec is not None and spec.combine == "rows"
         # an expert group's ranks hold each other's tokens' rows: read every data-parallel rank's records
@@ -600,13 +641,36 @@ class Store:
         if not recs:
             self._raise_no_records(run_id, output, phase, iteration, layer)
             raise ReconstructionError(f"{what}: no records (dp {dp}, invocation {invocation})")
-        from megatron.core.dmi.reader.reconstruct import rebuild_expert_rows, reconstruct
-
         if rows:
             topo = self.topology(run_id, recs[0].key.attempt)
             sources = {int(r["rank"]): (int(r["dp"]), int(r["tp"])) for _, r in topo.iterrows()}
-            return rebuild_expert_rows(recs, sources, dp, what)
-        return reconstruct(recs, output, what=what, expected_ranks=self._expected_ranks(run_id, recs))
+            return Rebuilt("float32", rebuild_expert_rows(recs, sources, dp, what))
+        return rebuild(recs, output, what=what, expected_ranks=self._expected_ranks(run_id, recs))
+
+    def rebuild_each(
+        self, run_id: str, output: str, phase: str = "train", invocation: int = 0
+    ) -> dict[tuple[int, int, int, int], Rebuilt]:
+        """Every visible tensor of ``output`` in ``phase``, rebuilt without torch, by (iteration, microbatch,
+        layer, data-parallel rank), from one query (``rebuild`` queries the store several times per tensor)."""
+        spec = catalog.BY_NAME.get(output)
+        if spec is not None and spec.combine == "rows":
+            raise StoreError(f"{output} rebuilds one data-parallel rank at a time from every rank: use rebuild()")
+        table = self.sql(
+            f"SELECT {_RECORD_SELECT} FROM {self.t('tensors')} FINAL WHERE run_id = {{run:String}}"
+            f" AND phase = {{phase:String}} AND output = {{output:String}} AND invocation = {{inv:Int8}} AND {_VISIBLE}",
+            {**self._vis_params(run_id), "phase": phase, "output": output, "inv": int(invocation)},
+        )
+        groups: dict[tuple[int, int, int, int], list[Record]] = defaultdict(list)
+        for r in self._to_records(table):
+            groups[(r.key.iteration, r.key.microbatch, r.key.layer, r.key.coords.dp)].append(r)
+        return {
+            key: rebuild(
+                recs,
+                output,
+                what=f"{output} run {run_id} {phase} iteration {key[0]} microbatch {key[1]} layer {key[2]} dp {key[3]}",
+            )
+            for key, recs in sorted(groups.items())
+        }
 
     def _expected_ranks(self, run_id: str, recs: list[Record]) -> dict[int, list[int]] | None:
         """Shard index -> ranks holding this layer with that TP coordinate (for error messages)."""
@@ -709,10 +773,6 @@ class Store:
         """Mean per-token entropy (nats) of the routing distribution softmax(router.logits), per
         iteration and layer (tokens of all microbatches of data-parallel rank ``dp``);
         ``entropy_normalized`` divides by log(E) (1 = uniform routing)."""
-        import torch
-
-        from megatron.core.dmi.reader.reconstruct import reconstruct
-
         run_id = self.resolve_run(run_id)
         vis = self.visible_attempts(run_id)
         its = sorted(i for p, i in vis if p == phase and (not iterations or i in set(iterations)))
@@ -742,16 +802,15 @@ class Store:
                 groups[(r.key.layer, r.key.microbatch)].append(r)
             per_layer: dict[int, list[float]] = defaultdict(lambda: [0.0, 0, 0])
             for (layer, mb), recs in sorted(groups.items()):
-                logits = reconstruct(
+                logits = rebuild(
                     recs, "router.logits", what=f"router.logits iteration {it} microbatch {mb} layer {layer}"
-                )
-                if logits.numel() == 0:
+                ).values
+                if logits.size == 0:
                     continue
-                p = torch.softmax(logits.float(), dim=-1)
-                h = torch.special.entr(p).sum(-1)
+                h = token_entropy(logits)
                 acc = per_layer[layer]
                 acc[0] += float(h.sum())
-                acc[1] += h.numel()
+                acc[1] += h.size
                 acc[2] = logits.shape[-1]
             for layer, (hsum, n, e) in sorted(per_layer.items()):
                 ent = hsum / n

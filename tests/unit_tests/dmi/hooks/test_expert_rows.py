@@ -43,7 +43,7 @@ def capture_experts(model, hooks="mlp.experts,mlp.out,router"):
 
 def rebuilt(records, layer):
     """The reader's [rows, h + 3] view of one layer's record (one process: rank 0, dp 0, tp 0)."""
-    return rebuild_expert_rows([records[(layer, "mlp.experts")]], {0: (0, 0)}, 0)
+    return torch.from_numpy(rebuild_expert_rows([records[(layer, "mlp.experts")]], {0: (0, 0)}, 0))
 
 
 DISPATCHERS = pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])

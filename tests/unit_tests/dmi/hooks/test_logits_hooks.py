@@ -39,10 +39,10 @@ def test_logits_outputs_match_plain_torch(megatron_cpu):
     assert set(records) == {"logits.topk", "logits.target", "logits.full"}
     logits = seen["logits"]
     assert torch.equal(records["logits.full"].tensor(), logits)
-    topk = merge_topk([records["logits.topk"].tensor()])
+    topk = torch.from_numpy(merge_topk([records["logits.topk"].tensor().numpy()]))
     assert topk.shape == (SEQ, BATCH, K, 2)
     assert torch.equal(topk, _oracle_topk(logits.float(), K))
-    target = merge_log_softmax([records["logits.target"].tensor()])
+    target = torch.from_numpy(merge_log_softmax([records["logits.target"].tensor().numpy()]))
     want = torch.log_softmax(logits.double(), dim=-1).gather(-1, labels.t().unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(target, want, rtol=0, atol=1e-5)
     torch.testing.assert_close(target, -loss.detach().t().double(), rtol=0, atol=1e-5)  # no label smoothing
@@ -59,9 +59,9 @@ def test_vocabulary_shards_merge_to_the_unsplit_result(shards):
         vocabulary_views(part, labels, i * (VOCAB // shards), K, ["logits.topk", "logits.target"])
         for i, part in enumerate(logits.chunk(shards, dim=-1))
     ]
-    topk = merge_topk([v["logits.topk"] for v in views])
+    topk = torch.from_numpy(merge_topk([v["logits.topk"].numpy() for v in views]))
     assert torch.equal(topk, _oracle_topk(logits, K))
     assert topk[0, 0, 0].tolist() == [9.0, 5.0] and topk[0, 0, 1].tolist() == [9.0, 40.0]
-    target = merge_log_softmax([v["logits.target"] for v in views])
+    target = torch.from_numpy(merge_log_softmax([v["logits.target"].numpy() for v in views]))
     want = torch.log_softmax(logits.double(), dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(target, want, rtol=0, atol=1e-5)

@@ -210,6 +210,32 @@ def test_cli_commands(run):
     assert "gradient RMS per token" in out and "grad.resid_in" in out and "router-logit gradient per expert" in out
 
 
+@pytest.mark.parametrize("command", ["routing-predictability", "loss-vs-routing", "grad-norms"])
+def test_analysis_commands_decode_without_torch(run, command):
+    """The analyses that rebuild tensors decode them with numpy: the command's process never imports torch."""
+    from tests.unit_tests.dmi.test_cli import imports_of_command
+
+    store, _ = run
+    out, _ = imports_of_command([command, store])
+    assert out.rstrip().endswith("LOADED False False 0"), out
+
+
+def test_routing_diff_of_a_run_with_itself_is_zero_without_torch(run, tmp_path):
+    """routing-diff reads one run in its own process and the other in a subprocess (neither imports torch); a
+    store that is not there is named in a one-line error, whichever side it is on."""
+    from tests.unit_tests.dmi.test_cli import imports_of_command
+
+    store, _ = run
+    out, _ = imports_of_command(["routing-diff", store, store])
+    assert f"overall: 0 of {ITERATIONS * 2 * 2 * 64} tokens (0.00%)" in out and out.rstrip().endswith(
+        "LOADED False False 0"
+    ), out
+    missing = str(tmp_path / "nothere")
+    for argv in (["routing-diff", missing, store], ["routing-diff", store, missing]):
+        rc, err = run_isolated(W.cli_stderr, argv)
+        assert rc == 2 and err.strip().startswith(f"error: {missing}: ") and len(err.strip().splitlines()) == 1, err
+
+
 def test_predictability_and_grad_norms_name_what_to_capture(tmp_path):
     """A store without resid.in/router.weight or gradients gets a one-line error naming what to capture."""
     recs = W.moe_records(iterations=range(1, 3), layers=(0, 1), experts=4, seed=3)
