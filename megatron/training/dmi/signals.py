@@ -124,7 +124,6 @@ class SignalSeal:
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._on_signal:
                 signal.signal(signum, previous)
-        self._previous.clear()
 
     def _chained(self, signum: int) -> Callable | None:
         previous = self._previous.get(signum)
