@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from tests.fault_tests.test_faults import HERE, read_store, store_count
-from tests.functional_tests.launch import tiny_moe_args
+from tests.functional_tests.launch import free_port, tiny_moe_args
 
 PER_ITER = 4 * 2 * 2
 HANG_GUARD = 300  # seconds: only against a hung run; the bound itself is DMI's
@@ -26,11 +26,14 @@ HANG_GUARD = 300  # seconds: only against a hung run; the bound itself is DMI's
 class Training:
     """pretrain_gpt.py (through fault_launch.py) running in the background, its output collected."""
 
-    def __init__(self, tmp, args, env=None):
+    def __init__(self, tmp, args, env=None, nproc=1):
         e = dict(os.environ, PYTHONUNBUFFERED="1")
         e.pop("DMI_CLICKHOUSE_PASSWORD", None)
         e.update(env or {})
-        cmd = [sys.executable, os.path.join(HERE, "fault_launch.py"), *tiny_moe_args(), "--cpu-dev-mode", *args]
+        launcher = [sys.executable]
+        if nproc > 1:
+            launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}"]
+        cmd = [*launcher, os.path.join(HERE, "fault_launch.py"), *tiny_moe_args(), "--cpu-dev-mode", *args]
         self.proc = subprocess.Popen(
             cmd, cwd=tmp, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
@@ -70,14 +73,25 @@ class Training:
         return "".join(self.lines)
 
 
-def signal_report(out, name):
-    """The sealed report's numbers: run id, attempt, and captured/written/spooled/dropped of rank 0."""
+def signal_reports(out, name):
+    """Every rank's sealed report: (run id, attempt, captured, written, spooled, dropped) by rank."""
     lines = out.splitlines()
-    i = next(i for i, ln in enumerate(lines) if ln.startswith(f"DMI report at {name} "))
-    m = re.match(rf"DMI report at {name} \(run (\S+) attempt (\d+);", lines[i])
-    n = re.search(r"captured (\d+) records .*written (\d+) .*spooled (\d+), dropped (\d+)", lines[i + 1])
-    assert m and n, lines[i : i + 3]
-    return m.group(1), int(m.group(2)), *map(int, n.groups())
+    reports = {}
+    for i, line in enumerate(lines):
+        m = re.match(rf"DMI report at {name} \(run (\S+) attempt (\d+);", line)
+        if m:
+            n = re.match(
+                r"  rank (\d+): captured (\d+) records .*written (\d+) .*spooled (\d+), dropped (\d+)", lines[i + 1]
+            )
+            assert n, lines[i : i + 3]
+            rank, *counts = map(int, n.groups())
+            reports[rank] = (m.group(1), int(m.group(2)), *counts)
+    return reports
+
+
+def signal_report(out, name):
+    """Rank 0's sealed report: run id, attempt, captured, written, spooled, dropped."""
+    return signal_reports(out, name)[0]
 
 
 def embedded_args(tmp):
@@ -126,6 +140,27 @@ def test_a_training_thread_that_does_not_come_back_is_sealed_by_the_watchdog(tmp
     captured_at_stall = int(re.search(r"FAULT stall at iteration 3: captured (\d+) records", out).group(1))
     assert signal_report(out, "SIGTERM")[2] == captured_at_stall  # nothing was captured after the stall
     assert_every_captured_record_is_kept(out, str(tmp_path / "store"), "SIGTERM")
+
+
+def test_sigterm_to_torchrun_seals_every_rank_on_its_own(tmp_path):
+    """torchrun forwards SIGTERM to both ranks; each seals its own records without a collective
+    (its peer may be gone) and prints its report; opening the store then shows every record of
+    both ranks once. torchrun's own exit (a SignalException of the agent) is torchrun's."""
+    store = str(tmp_path / "store")
+    run = Training(str(tmp_path), [*embedded_args(str(tmp_path)), "--global-batch-size", "8"], nproc=2)
+    run.wait_for(r"iteration\s+3/")
+    run.proc.send_signal(signal.SIGTERM)
+    rc, out = run.end()
+    assert rc != 0, out[-4000:]
+    reports = signal_reports(out, "SIGTERM")
+    assert sorted(reports) == [0, 1], out[-4000:]
+    assert len({(r[0], r[1]) for r in reports.values()}) == 1  # one run, one attempt
+    for _, _, captured, written, spooled, dropped in reports.values():
+        assert captured >= 2 * PER_ITER and written + spooled == captured and dropped == 0, out[-4000:]
+    run_id, attempt = reports[0][:2]
+    data, _ = read_store(store)
+    assert data["runs"][run_id]["rows_per_attempt"] == {str(attempt): sum(r[2] for r in reports.values())}
+    assert data["runs"][run_id]["duplicate_visible_keys"] == 0
 
 
 def test_megatron_exit_signal_handler_keeps_sigterm_and_dmi_closes_on_its_path(tmp_path):
