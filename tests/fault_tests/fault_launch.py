@@ -12,11 +12,15 @@ prints ``FAULT <kind> at iteration <n>: ...`` with the counts it saw):
   in ``$DMI_FAULT_FILL_DIR``), so every later spool segment hits ENOSPC; or, with
   ``$DMI_FAULT_LEAVE_BYTES``, until that much stays free (a nearly full disk).
 - ``kill``: ``kill -9`` of this very process (SIGKILL: no atexit, no flush, no report).
+- ``stall``: the training thread stops for ``$DMI_FAULT_STALL_SECONDS`` (default 600) outside any of
+  DMI's safe points, as one stuck in a collective whose peer is gone (a signal's handler runs, then
+  the sleep goes on), so a signal's seal has to come from DMI's watchdog thread.
 """
 
 import os
 import signal
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
@@ -54,7 +58,13 @@ def _kill(rt) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-FAULTS = {"rename_tensors": _rename_tensors, "disk_full": _disk_full, "kill": _kill}
+def _stall(rt) -> None:
+    seconds = float(os.environ.get("DMI_FAULT_STALL_SECONDS", "600"))
+    _say(f"captured {rt.session.transport.stats.published} records; the training thread stalls for {seconds:g} s")
+    time.sleep(seconds)
+
+
+FAULTS = {"rename_tensors": _rename_tensors, "disk_full": _disk_full, "kill": _kill, "stall": _stall}
 _before_forward = dmi_runtime.DMIRuntime.before_forward
 
 

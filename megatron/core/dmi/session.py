@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -155,6 +156,10 @@ class DMISession:
         self._chunks: dict[int, int] = {}  # id(unwrapped chunk) -> virtual pipeline stage
         self._done = False
         self._closed = False
+        # close() and seal() may be called from different threads (a signal's seal runs off the
+        # training thread when that one does not come back in time): one of them closes, once.
+        self._close_lock = threading.Lock()
+        self._released = False
         self._step: tuple[str, int] | None = None
         self._microbatch: dict[int, int] = {}
         self._drops_written = 0
@@ -284,7 +289,10 @@ class DMISession:
 
     # -- checkpoints ------------------------------------------------------------------------
     def flush(self) -> None:
-        """Returns once every record captured so far is in the spool or store and durable."""
+        """Returns once every record captured so far is in the spool or store and durable (at once
+        after ``close``/``seal``: there is nothing left to flush)."""
+        if self._closed:
+            return
         self._write_new_drops()
         self.drain.flush()
 
@@ -318,15 +326,17 @@ class DMISession:
     def close(self) -> SessionReport:
         """Flush, stop and close everything; collective on multi-rank runs (non-ingesting ranks
         finish their spool before the node's ingester makes its final pass). Idempotent."""
-        if self._closed:
+        with self._close_lock:
+            if not self._closed:
+                self._close()
+            self._release_model()  # after a seal too: the training thread may go on without DMI
             return self._report
-        self._closed = True
+
+    def _close(self) -> None:
         self.flush()
+        self._closed = True
         self.drain.close()
-        if self.replay is not None:  # before the hooks: it wrapped the routers after them
-            self.replay.close()
-        self.hooks.remove()
-        self.transport.close()
+        self._release_model()
         ingester = getattr(self.sink, "is_ingester", False)
         report = None if ingester else self.sink.close()
         if _world() > 1:
@@ -339,7 +349,56 @@ class DMISession:
             torch.distributed.all_gather_object(gathered, lines[0])
             lines = gathered
         self._report = SessionReport(self.run_id, self.attempt, report, lines)
-        return self._report
+
+    def _release_model(self) -> None:
+        """Give the model back (routing replay's wrappers, then the hooks: replay wrapped the routers
+        after them) and free the ring; once."""
+        if self._released:
+            return
+        self._released = True
+        if self.replay is not None:
+            self.replay.close()
+        self.hooks.remove()
+        self.transport.close()
+
+    def seal(self) -> SessionReport:
+        """Close this rank alone, for a process that is ending (on a signal): capture stops, every
+        record published so far goes through the drain into the sink, and the sink closes (its open
+        spool segment written and fsync'd; the node's ingester loads what it can into the store).
+        Unlike ``close`` it runs no collective (the other ranks may be gone or stuck) and leaves the
+        hooks and the transport in place, so it may run on a thread other than the training thread;
+        the report holds this rank's line only. Idempotent, and a no-op after ``close``."""
+        with self._close_lock:
+            if self._closed:
+                return self._report
+            self.end_capture()
+            self.flush()
+            self._closed = True
+            self.drain.close()
+            report = self.sink.close()
+            self._report = SessionReport(self.run_id, self.attempt, report, [self._report_line(report)])
+            return self._report
+
+    def where(self) -> str:
+        """One line saying where this session's records are: the store and the spool folder, and how
+        spooled records get into the store."""
+        c = self.config
+        spool = os.path.join(c.store_dir, "spool")
+        if c.persist == "none":
+            return "nothing is kept (--dmi-persist none)"
+        if c.persist == "spool":
+            return (
+                f"written = segments in {spool}; load them with `megatron-dmi load {c.store_dir} --store <dir-or-url>`"
+            )
+        if c.clickhouse_url:
+            return (
+                f"written = in the server's database {c.clickhouse_database}; spooled = in {spool}, "
+                f"`megatron-dmi load {c.store_dir} --store <url>` inserts them"
+            )
+        return (
+            f"written = in the store {c.store_dir}; spooled = in {spool}, loaded into the store when it is "
+            f"next opened (`megatron-dmi show {c.store_dir}`)"
+        )
 
     def _report_line(self, report: SinkReport) -> str:
         t = self.transport.stats

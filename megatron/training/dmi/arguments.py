@@ -25,6 +25,7 @@ from megatron.core.dmi.config import CaptureWindowError, DMIConfig
 from megatron.core.dmi.hooks import groups
 from megatron.core.dmi.hooks.groups.base import ModelFacts
 from megatron.core.dmi.store_address import PASSWORD_ENV, parse_store_run
+from megatron.training.dmi.signals import seal_seconds
 
 NOT_FLAGS = ("clickhouse_password",)
 FLAG_FIELDS = tuple(f.name for f in fields(DMIConfig) if f.name not in NOT_FLAGS)
@@ -222,6 +223,7 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
         check_replay_args(args)
     if not args.dmi_hooks:
         return
+    seal_seconds()  # a bad $DMI_SIGNAL_SEAL_SECONDS stops the run here, not when DMI starts
     shape = model_shape(args)
     beyond = [layer for layer in args.dmi_layers or () if layer >= args.num_layers]
     if beyond:

@@ -26,6 +26,7 @@ from megatron.training import get_args, print_rank_0
 from megatron.training.dmi.arguments import config_from_args
 from megatron.training.dmi.scalars import RouterScalars
 from megatron.training.dmi.scalars import wanted as scalars_wanted
+from megatron.training.dmi.signals import SignalSeal, handled_signals, seal_seconds
 
 STATE_FILE = "dmi_state_iter_{:07d}.json"
 
@@ -87,6 +88,8 @@ class DMIRuntime:
         self.scalars = self._router_scalars() if scalars_wanted(args, config.hooks) else None
         self._patch_training_loop()
         atexit.register(DMIRuntime.shutdown)
+        self.signals = SignalSeal(self._close, seal_seconds())
+        self.signals.install(handled_signals(args.exit_signal_handler, args.exit_signal))
         print_rank_0(self.session.description)
 
     def _router_scalars(self) -> RouterScalars:
@@ -127,7 +130,8 @@ class DMIRuntime:
 
     # -- the training loop ------------------------------------------------------------------
     def end_training(self) -> None:
-        """The training loop returned: later forwards (pretrain's final evaluations) are not captured."""
+        """The training loop returned (or raised): later forwards (pretrain's final evaluations) are not captured."""
+        self.signals.at_safe_point()
         self.session.end_capture()
 
     def before_forward(self, model: torch.nn.Module) -> None:
@@ -135,10 +139,13 @@ class DMIRuntime:
         # Megatron sets curr_iteration to the number of completed iterations before each step; the
         # evaluation after step N runs with it unchanged, so it belongs to iteration N too.
         # Evaluation continues the microbatch count over its eval-iters batches.
+        self.signals.at_safe_point()
         self.session.before_forward(model, self.args.curr_iteration + 1)
 
     def flush(self) -> None:
-        """Wait until every record captured so far is durable (``DMISession.flush``)."""
+        """Wait until every record captured so far is durable (``DMISession.flush``); a checkpoint save
+        after a signal does not come: the process seals and ends first."""
+        self.signals.at_safe_point()
         self.session.flush()
 
     def _patch_training_loop(self) -> None:
@@ -149,6 +156,7 @@ class DMIRuntime:
     def _log_interval(self) -> None:
         """After Megatron's training log: at each log interval, the scalars (every rank joins their
         reduce) and DMI's line (on the last rank, where Megatron logs)."""
+        self.signals.at_safe_point()
         iteration = self.args.curr_iteration + 1
         if iteration % self.args.log_interval:
             return
@@ -159,9 +167,24 @@ class DMIRuntime:
 
     # -- the end ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Restore Megatron's patched functions, close the session and print its end-of-run report on rank 0."""
-        upstream_patches.restore("runtime")
-        print_rank_0(self.session.close().text)
+        """Close the session and print its end-of-run report on rank 0; after SIGTERM/SIGINT, seal this
+        rank, print its report and end the process (``signals.py``). Idempotent."""
+        self.signals.close_once()
+
+    def _close(self) -> None:
+        """``close``'s work, run once by ``SignalSeal``, possibly on the watchdog's thread after a signal."""
+        if self.signals.signum is None:
+            upstream_patches.restore("runtime")
+            print_rank_0(self.session.close().text)
+            return
+        report = self.session.seal()
+        print(
+            f"DMI report at {self.signals.signal_name} (run {self.run_id} attempt {self.attempt}; this rank "
+            f"sealed in {self.signals.elapsed():.1f} s, its own records only):\n  "
+            + "\n  ".join(report.lines)
+            + f"\n  {self.session.where()}",
+            flush=True,
+        )
 
 
 def save_checkpoint_with_dmi_state(save_checkpoint):

@@ -52,12 +52,21 @@ def main(argv: list[str] | None = None, prog: str = "python -m megatron.core.dmi
     logging.getLogger("clickhouse_connect").setLevel(logging.ERROR)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     args = build_parser(prog).parse_args(argv)
-    from megatron.core.dmi.reader import ReconstructionError, SchemaVersionError, StoreBusyError, StoreError
+    from megatron.core.dmi.reader import (
+        DiskFullError,
+        ReconstructionError,
+        SchemaVersionError,
+        StoreBusyError,
+        StoreError,
+    )
     from megatron.core.dmi.store.backend import BackendError
     from megatron.core.dmi.store_address import IdentifierError, ServerURLError
 
     try:
         return int(args.func(args) or 0)
+    except DiskFullError as e:  # nothing wrong with the command: the machine lacks room (exit 1, as `load`'s failures)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (
         StoreError,
         StoreBusyError,

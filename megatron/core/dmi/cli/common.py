@@ -48,6 +48,8 @@ def open_for_reading(store: str, database: str, quiet: bool = False):
 
     opened = open_store(store, database=database, progress=sys.stderr.isatty() and not quiet)
     r = opened.ingest_result
+    if opened.in_place and not quiet:
+        print(f"(the file system of {store} is full: read in place, no snapshot taken and nothing loaded)")
     if (r.segments_loaded or r.segments_corrupt or r.errors) and not quiet:
         print(
             f"(read {r.segments_loaded} spool segment(s) not in the store yet, {r.records} record(s)"

@@ -20,6 +20,7 @@ _MODULE_OF = {
     "resolve_store_dir": "store",
     "StoreError": "errors",
     "NotAStoreError": "errors",
+    "DiskFullError": "errors",
     "ReconstructionError": "errors",
     "AmbiguousLayerError": "errors",
     "StoreBusyError": "megatron.core.dmi.store.backend",

@@ -22,6 +22,11 @@ class NotAStoreError(StoreError):
         super().__init__(message)
 
 
+class DiskFullError(StoreError):
+    """The store's file system has no room for the reader's snapshot, and the store cannot be read in
+    place instead (its run still writes it, or it is a spool that has to be loaded to be read)."""
+
+
 class ReconstructionError(DMIError, RuntimeError):
     """The stored shards do not form exactly one full tensor (gap, overlap, conflict, corruption)."""
 

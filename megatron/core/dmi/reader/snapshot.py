@@ -16,10 +16,15 @@ record the run has written to a closed segment, whether or not the ingester has 
 Snapshots live in ``<store_dir>/.readers/`` (hard links need the same file system) and are removed
 when the reader closes (the folder too, once empty); ones left by a killed reader of this host are
 removed by the next one.
+
+A snapshot needs some room on the store's file system (directories, the copied small files, the
+snapshot's own chDB files, the spool it loads): ``out_of_space`` tells the reader when that room is
+missing, so it can read a finished store in place instead (reader/store.py).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -32,6 +37,19 @@ SNAPSHOTS_DIR = ".readers"
 CHDB_LOCK_FILE = "status"  # chDB's flock'd lock file at the store root: a snapshot gets its own
 _PART_RE = re.compile(r"^(?P<partition>[^_]+)_(?P<min>\d+)_(?P<max>\d+)_(?P<level>\d+)(?:_(?P<mutation>\d+))?$")
 _TABLE_MARKER = "format_version.txt"  # present in every MergeTree table's data directory
+
+
+_NO_ROOM_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # disk full, quota, file size limit
+# chDB reports the same OS errors in its own exception text (its error code, or the errno's message)
+_NO_ROOM_TEXTS = ("NOT_ENOUGH_SPACE", "No space left on device", "Disk quota exceeded", "File too large")
+
+
+def out_of_space(exc: BaseException) -> bool:
+    """``exc`` says the file system had no room for a write: an OSError of a full disk, a quota or
+    the file size limit, or chDB's exception carrying one."""
+    if isinstance(exc, OSError) and exc.errno in _NO_ROOM_ERRNOS:
+        return True
+    return any(text in str(exc) for text in _NO_ROOM_TEXTS)
 
 
 @dataclass

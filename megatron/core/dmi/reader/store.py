@@ -34,16 +34,17 @@ from megatron.core.dmi import catalog
 from megatron.core.dmi.key import RecordKey
 from megatron.core.dmi.reader.errors import (
     AmbiguousLayerError,
+    DiskFullError,
     NotAStoreError,
     ReconstructionError,
     StoreError,
     format_ranges,
 )
 from megatron.core.dmi.reader.reconstruct import Rebuilt, rebuild, rebuild_expert_rows
-from megatron.core.dmi.reader.snapshot import ReaderSnapshot, SnapshotStats, link_spool, link_store
+from megatron.core.dmi.reader.snapshot import ReaderSnapshot, SnapshotStats, link_spool, link_store, out_of_space
 from megatron.core.dmi.records import TENSOR_SCHEMA, Record
 from megatron.core.dmi.store import schema as S
-from megatron.core.dmi.store.backend import Backend, ChdbBackend, ServerBackend
+from megatron.core.dmi.store.backend import Backend, ChdbBackend, ServerBackend, StoreBusyError
 from megatron.core.dmi.store.ingest import IngestResult, ingest_spool
 
 if TYPE_CHECKING:
@@ -239,9 +240,9 @@ def open_store(
             backend.close()
             raise
         return Store(backend, store_dir)
-    snapshot = ReaderSnapshot(store_dir)
-    backend = None
+    snapshot = backend = None
     try:
+        snapshot = ReaderSnapshot(store_dir)
         stats = SnapshotStats()
         spool = os.path.join(store_dir, "spool")
         if ingest and os.path.isdir(spool):  # first: a segment ingested meanwhile is then in the store copy
@@ -260,12 +261,56 @@ def open_store(
                     RuntimeWarning,
                     stacklevel=2,
                 )
-    except BaseException:
+    except BaseException as exc:
         if backend is not None:
             backend.close()
-        snapshot.close()
-        raise
+        if snapshot is not None:
+            snapshot.close()
+        if not out_of_space(exc):
+            raise
+        return _open_in_place(path_or_url, store_dir, chdb_path, database, exc)
     return Store(backend, store_dir, result, snapshot=snapshot, snapshot_stats=stats)
+
+
+def _open_in_place(given: str, store_dir: str, chdb_path: str, database: str, why: BaseException) -> Store:
+    """The store's disk has no room for a snapshot: a finished store (no process holds it) is read
+    in place, with nothing loaded into it; otherwise DiskFullError, one line saying so."""
+    from megatron.core.dmi.store.segments import list_segments
+
+    full = f"the file system of {given} is full ({_first_line(why)})"
+    if not os.path.isdir(chdb_path):
+        raise DiskFullError(
+            f"cannot read {given}: {full}, and its spool has to be loaded into a snapshot there to be read; "
+            "free some space, or `megatron-dmi load` it into a store on another disk"
+        ) from None
+    try:
+        backend = ChdbBackend(chdb_path, database)
+    except StoreBusyError:
+        raise DiskFullError(
+            f"cannot read {given} while its run writes it: {full}, so no snapshot can be taken beside the "
+            "run; free some space (or read it once the run has ended)"
+        ) from None
+    try:
+        backend.ensure_schema()
+    except BaseException as exc:
+        backend.close()
+        if out_of_space(exc):
+            raise DiskFullError(f"cannot read {given}: {full}") from None
+        raise
+    waiting = sum(1 for seg in list_segments(os.path.join(store_dir, "spool")) if seg.kind == "tensors")
+    if waiting:
+        warnings.warn(
+            f"DMI: {full}: read in place, without the {waiting} spool segment(s) not loaded into it yet; "
+            "free some space and open it again to see them",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return Store(backend, store_dir, read_only=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return (text.strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _ingest_with_progress(backend: Backend, spool: str, delete: bool, progress: bool) -> IngestResult:
@@ -294,17 +339,24 @@ class Store:
         ingest_result: IngestResult | None = None,
         snapshot: ReaderSnapshot | None = None,
         snapshot_stats: SnapshotStats | None = None,
+        read_only: bool = False,
     ):
         """A view of the store at ``location`` through ``backend``; ``snapshot`` is the reader snapshot it owns and
-        removes at ``close``."""
+        removes at ``close``; ``read_only``: the store itself, opened for reading (its disk is full)."""
         self.backend = backend
         self.location = location
         self.ingest_result = ingest_result or IngestResult()
         self.snapshot_stats = snapshot_stats
         self._snapshot = snapshot
+        self.read_only = read_only or snapshot is not None
         self._visible_cache: dict[str, dict[tuple[str, int], int]] = {}
 
     # -- plumbing ---------------------------------------------------------------------------
+    @property
+    def in_place(self) -> bool:
+        """An embedded store read in place, without a snapshot (its file system had no room for one)."""
+        return self.read_only and self._snapshot is None
+
     def __enter__(self) -> Store:
         """The store itself, closed when the ``with`` block ends."""
         return self
@@ -334,8 +386,8 @@ class Store:
     def load(self, spool_root: str, delete: bool = False, progress: bool = False) -> IngestResult:
         """Load spool segments from another directory (``--dmi-persist spool`` output) into a store
         opened with ``writable=True``."""
-        if self._snapshot is not None:
-            raise StoreError(f"{self.location} is open as a read-only snapshot: open it with writable=True to load")
+        if self.read_only:
+            raise StoreError(f"{self.location} is open for reading only: open it with writable=True to load")
         self._visible_cache.clear()
         return _ingest_with_progress(self.backend, spool_root, delete=delete, progress=progress)
 
