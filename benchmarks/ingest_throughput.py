@@ -23,15 +23,17 @@ compression ratio the store reached (``system.columns``).
 
 **Ingest pass** (``--ingest``): the product's path end to end. For each ``--ingest-record-kb`` and
 ``--ingest-codecs``, a ``SpoolSink`` spools ``--total-mb`` of records into Parquet segments of
-``--batch-mb`` (not timed), then ``ingest_spool`` loads them into a fresh store of the real schema
-(``ensure_schema(payload_codec=...)``) with ``max_batch_bytes`` = ``--ingest-batch-mb``: GiB/s of
-payload, the pass's seconds by stage (``IngestResult.seconds``: verify = read + check every CRC,
-insert, read_back, record) and the read-back's share of the pass (the ingester's budget: <= 5 %).
-It also times reading the segments with and without ``memory_map`` (``pq.read_table``).
+``--ingest-segment-mb`` (not timed), then ``ingest_spool`` loads them into a fresh store of the real
+schema (``ensure_schema(payload_codec=...)``) with ``max_batch_bytes`` = ``--ingest-batch-mb``: GiB/s
+of payload, the pass's seconds by stage (``IngestResult.seconds``: verify = waiting for segments to be
+read and every CRC checked, insert, read_back, record) and the read-back's share of the pass (the
+ingester's budget: <= 5 %). ``--read-ahead off`` leaves the pass's reading thread idle, so each
+segment is verified in turn (as before it existed). It also times reading the segments with and
+without ``memory_map`` (``pq.read_table``).
 
     python benchmarks/ingest_throughput.py --codecs 'ZSTD(1)' LZ4 NONE --record-mb 32 --batch-mb 64 256 \
         --paths python arrow union --parallel 1 2 4 --merges on off --total-mb 1024 \
-        --ingest --ingest-record-kb 32768 128 --json benchmarks/results/ingest_throughput_<host>.json
+        --ingest --ingest-record-kb 32768 128 --read-ahead on off --json benchmarks/results/ingest_throughput_<host>.json
 
 ``--quick`` is a smoke run of every path with small sizes (seconds; its figures mean nothing).
 """
@@ -200,7 +202,7 @@ def measure_store(
 
 
 def measure_ingest(
-    root: str, codec: str, record_kb: float, total_mb: float, segment_mb: float, batch_mb: float
+    root: str, codec: str, record_kb: float, total_mb: float, segment_mb: float, batch_mb: float, read_ahead: str
 ) -> dict:
     """Spool ``total_mb`` of ``record_kb`` records (untimed), then one timed ``ingest_spool`` pass into a fresh store."""
     from persist_throughput import make_records  # the same records as the persistence benchmark
@@ -208,7 +210,7 @@ def measure_ingest(
     from megatron.core.dmi.key import ParallelCoords
     from megatron.core.dmi.sinks import SpoolSink
     from megatron.core.dmi.store.backend import ChdbBackend
-    from megatron.core.dmi.store.ingest import ingest_spool
+    from megatron.core.dmi.store.ingest import _IngestPass, ingest_spool
     from megatron.core.dmi.store.segments import list_segments
 
     where = tempfile.mkdtemp(dir=root)
@@ -241,9 +243,15 @@ def measure_ingest(
     load = load_average()
     try:
         backend.ensure_schema(payload_codec=codec)
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        r = ingest_spool(backend, spool, delete=True, max_batch_bytes=int(batch_mb * 2**20))
-        wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        real_read_ahead = _IngestPass.read_ahead
+        if read_ahead == "off":  # the reading thread finds nothing to do: every segment is verified in turn
+            _IngestPass.read_ahead = lambda self, seg: None
+        try:
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            r = ingest_spool(backend, spool, delete=True, max_batch_bytes=int(batch_mb * 2**20))
+            wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        finally:
+            _IngestPass.read_ahead = real_read_ahead
     finally:
         backend.close()
         shutil.rmtree(where, ignore_errors=True)
@@ -254,6 +262,7 @@ def measure_ingest(
     return {
         "codec": codec,
         "record_kb": record_kb,
+        "read_ahead": read_ahead,
         "segments": len(segs),
         "segment_mb": segment_mb,
         "batch_mb": batch_mb,
@@ -282,6 +291,10 @@ def main() -> None:
     p.add_argument("--ingest-codecs", nargs="+", choices=["lz4", "zstd1", "none"], default=["lz4", "zstd1"])
     p.add_argument("--ingest-record-kb", nargs="+", type=float, default=[32768, 128])
     p.add_argument("--ingest-batch-mb", type=float, default=256, help="the ingester's max_batch_bytes, MiB")
+    p.add_argument("--ingest-segment-mb", type=float, default=64, help="spool segment size, MiB (the sinks' default)")
+    p.add_argument(
+        "--read-ahead", nargs="+", choices=["on", "off"], default=["on"], help="off: verify each segment in turn"
+    )
     p.add_argument("--skip-store", action="store_true", help="only the ingest pass")
     p.add_argument("--quick", action="store_true", help="smoke run: small sizes, every path once")
     p.add_argument("--dir", default=None, help="where the stores go (default: a temporary folder)")
@@ -296,7 +309,8 @@ def main() -> None:
             True,
             ["lz4"],
         )
-        a.ingest_record_kb, a.ingest_batch_mb = [1024, 64], 4
+        a.ingest_record_kb, a.ingest_batch_mb, a.ingest_segment_mb = [1024, 64], 4, 2
+        a.read_ahead = ["on", "off"]
     root = a.dir or tempfile.mkdtemp(prefix="dmi_ingest_")
     os.makedirs(root, exist_ok=True)
     uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -322,16 +336,18 @@ def main() -> None:
                     )
         if a.ingest:
             print(
-                f"\n{'rec KiB':>7} {'codec':>6} {'GiB/s':>6} {'cores':>5} {'verify':>6} {'insert':>6} {'readbk':>6} {'record':>6} {'rb %':>5} {'read s':>6} {'mmap s':>6} {'load':>5}"
+                f"\n{'rec KiB':>7} {'codec':>6} {'ahead':>5} {'GiB/s':>6} {'cores':>5} {'verify':>6} {'insert':>6} {'readbk':>6} {'record':>6} {'rb %':>5} {'read s':>6} {'mmap s':>6} {'load':>5}"
             )
             for rep in range(a.repeats):
-                for record_kb, codec in itertools.product(a.ingest_record_kb, a.ingest_codecs):
-                    r = measure_ingest(root, codec, record_kb, a.total_mb, min(a.batch_mb), a.ingest_batch_mb)
+                for record_kb, codec, ahead in itertools.product(a.ingest_record_kb, a.ingest_codecs, a.read_ahead):
+                    r = measure_ingest(
+                        root, codec, record_kb, a.total_mb, a.ingest_segment_mb, a.ingest_batch_mb, ahead
+                    )
                     r["repeat"] = rep
                     ingest_rows.append(r)
                     s = r["seconds"]
                     print(
-                        f"{record_kb:>7g} {codec:>6} {r['GiBps']:>6.3f} {r['cores_used']:>5.2f} {s['verify']:>6.2f} {s['insert']:>6.2f} "
+                        f"{record_kb:>7g} {codec:>6} {ahead:>5} {r['GiBps']:>6.3f} {r['cores_used']:>5.2f} {s['verify']:>6.2f} {s['insert']:>6.2f} "
                         f"{s['read_back']:>6.2f} {s['record']:>6.2f} {100 * r['read_back_share']:>5.1f} {r['read_plain_s']:>6.2f} "
                         f"{r['read_mmap_s']:>6.2f} {r['load_before']:>5.1f}",
                         flush=True,
