@@ -1,31 +1,61 @@
-"""How fast one chDB session takes record payloads, by payload codec, insert threads and record size (issue 33).
+"""How fast one chDB session takes record payloads, and where the real ingest pass spends its time (issue 33).
 
-Each measurement creates a fresh embedded store with one table ``(k UInt64, payload String
-CODEC(<codec>))`` and inserts ``--total-mb`` of bf16 payloads (normal samples, like activations;
-barely compressible) in 64 MiB Arrow batches through ``INSERT ... SELECT FROM Python(batch)``,
-the statement the embedded backend's ``insert_arrow`` runs, with ``max_insert_threads`` set. It
-reports GiB/s of payload and the compression ratio the store reached (``system.columns``). This
-is the store's side of ingest alone: no spool reading, checksums or read-back.
+**Store sweep** (always): each measurement creates a fresh embedded store with one table ``(k UInt64,
+payload String CODEC(<codec>))`` and inserts ``--total-mb`` of bf16 payloads (normal samples, like
+activations; barely compressible) in ``--batch-mb`` Arrow batches, for every combination of
 
-    python benchmarks/ingest_throughput.py --codecs 'ZSTD(1)' LZ4 NONE --threads 1 4 8 16 \
-        --record-mb 32 4 --total-mb 2048 --json benchmarks/results/ingest_throughput_<host>.json
+- ``--codecs``: the payload codec (``ZSTD(1)``, ``LZ4``, ``NONE``);
+- ``--record-mb``: the record size (32 MiB: ``attn.context`` at the benchmark's scale);
+- ``--batch-mb``: payload per INSERT (the ingester's ``max_batch_bytes``);
+- ``--paths``: how a batch gets in: ``python`` (``INSERT ... SELECT FROM Python(batch)``, the statement
+  the embedded backend's ``insert_arrow`` runs), ``arrow`` (``INSERT ... FORMAT ArrowStream`` through
+  ``send_insert``, the batch serialised to Arrow IPC), ``union`` (one INSERT of ``--parallel`` slices of
+  the batch, ``SELECT FROM Python(slice) UNION ALL ...`` with ``max_insert_threads`` = slices: one
+  statement the engine can spread over threads);
+- ``--parallel``: for ``python`` and ``arrow``, that many Python threads insert batches into the one
+  session at the same time (does chDB run concurrent inserts of one session side by side?);
+- ``--merges``: ``on`` (background merges run, as in a store) or ``off`` (``SYSTEM STOP MERGES`` on
+  the table: the insert alone).
+
+It reports GiB/s of payload, the CPU cores the process used meanwhile (process CPU time over wall
+time: more than 1 means the engine ran the work on several cores), the parts left and the
+compression ratio the store reached (``system.columns``).
+
+**Ingest pass** (``--ingest``): the product's path end to end. For each ``--ingest-record-kb`` and
+``--ingest-codecs``, a ``SpoolSink`` spools ``--total-mb`` of records into Parquet segments of
+``--ingest-segment-mb`` (not timed), then ``ingest_spool`` loads them into a fresh store of the real
+schema (``ensure_schema(payload_codec=...)``) with ``max_batch_bytes`` = ``--ingest-batch-mb``: GiB/s
+of payload, the pass's seconds by stage (``IngestResult.seconds``: verify = waiting for segments to be
+read and every CRC checked, insert, read_back, record) and the read-back's share of the pass (the
+ingester's budget: <= 5 %). ``--read-ahead off`` leaves the pass's reading thread idle, so each
+segment is verified in turn (as before it existed). It also times reading the segments with and
+without ``memory_map`` (``pq.read_table``).
+
+    python benchmarks/ingest_throughput.py --codecs 'ZSTD(1)' LZ4 NONE --record-mb 32 --batch-mb 64 256 \
+        --paths python arrow union --parallel 1 2 4 --merges on off --total-mb 1024 \
+        --ingest --ingest-record-kb 32768 128 --read-ahead on off --json benchmarks/results/ingest_throughput_<host>.json
+
+``--quick`` is a smoke run of every path with small sizes (seconds; its figures mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import platform
+import resource
 import shutil
+import subprocess
 import tempfile
+import threading
 import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 from chdb import session as chs
 from results_json import write_json  # benchmarks/ is the script directory
-
-BATCH_MB = 64
 
 
 def bf16_payload(nbytes: int, rng: np.random.Generator) -> bytes:
@@ -34,13 +64,24 @@ def bf16_payload(nbytes: int, rng: np.random.Generator) -> bytes:
     return (x.view(np.uint32) >> 16).astype(np.uint16).tobytes()
 
 
-def measure(root: str, codec: str, threads: int, record_mb: float, total_mb: int, seed: int) -> dict:
-    """One fresh store, one codec: GiB/s of payload inserted and the compression ratio reached."""
+def cpu_seconds() -> float:
+    """CPU time of this process so far, every thread (chDB's included)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def load_average() -> float:
+    """The machine's 1-minute load average (it is shared: the figures depend on it)."""
+    return os.getloadavg()[0]
+
+
+def make_batches(record_mb: float, total_mb: float, batch_mb: float, seed: int) -> tuple[list[pa.Table], int]:
+    """Arrow batches ``(k, payload)`` of ``total_mb`` of bf16 payloads, and the payload bytes in them."""
     rng = np.random.default_rng(seed)
-    nbytes = int(record_mb * 2**20)
+    nbytes = max(2, int(record_mb * 2**20) // 2 * 2)
     pool = [bf16_payload(nbytes, rng) for _ in range(8)]  # distinct payloads: no repeats within a block
-    n = max(1, int(total_mb / record_mb))
-    per_batch = max(1, int(BATCH_MB / record_mb))
+    n = max(1, int(total_mb * 2**20 / nbytes))
+    per_batch = max(1, int(batch_mb * 2**20 / nbytes))
     batches = [
         pa.table(
             {
@@ -50,62 +91,287 @@ def measure(root: str, codec: str, threads: int, record_mb: float, total_mb: int
         )
         for lo in range(0, n, per_batch)
     ]
-    path = tempfile.mkdtemp(dir=root)
-    session = chs.Session(os.path.join(path, "chdb"))
+    return batches, n * nbytes
+
+
+def _insert_python(session, batch: pa.Table) -> None:
+    arrow_rows = batch  # noqa: F841 (read by name by the query)
+    session.query("INSERT INTO bench.t SELECT k, payload FROM Python(arrow_rows)")
+
+
+def _insert_arrow(session, batch: pa.Table) -> None:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_table(batch)
+    with session.send_insert("INSERT INTO bench.t (k, payload)", "ArrowStream") as ins:
+        ins.append(sink.getvalue().to_pybytes())
+        ins.finish()
+
+
+def _insert_union(session, batch: pa.Table, slices: int) -> None:
+    step = -(-batch.num_rows // slices)
+    parts = [batch.slice(lo, step) for lo in range(0, batch.num_rows, step)]
+    frame = {f"arrow_slice_{i}": p for i, p in enumerate(parts)}  # read by name by the query
+    union = " UNION ALL ".join(f"SELECT k, payload FROM Python(arrow_slice_{i})" for i in range(len(parts)))
+    _run_with_names(session, f"INSERT INTO bench.t {union} SETTINGS max_insert_threads={len(parts)}", frame)
+
+
+def _run_with_names(session, sql: str, names: dict) -> None:
+    """Run ``sql`` from a frame whose locals hold ``names`` (chDB's Python() finds tables by name there)."""
+    code = compile("session.query(sql)", "<union insert>", "exec")
+    exec(code, {"session": session, "sql": sql}, dict(names))
+
+
+def measure_store(
+    root: str,
+    codec: str,
+    record_mb: float,
+    batch_mb: float,
+    path: str,
+    parallel: int,
+    merges: str,
+    total_mb: float,
+    seed: int,
+) -> dict:
+    """One fresh store, one combination: GiB/s of payload inserted, cores used, parts and ratio."""
+    batches, payload = make_batches(record_mb, total_mb, batch_mb, seed)
+    where = tempfile.mkdtemp(dir=root)
+    session = chs.Session(os.path.join(where, "chdb"))
+    load = load_average()
     try:
         session.query("CREATE DATABASE IF NOT EXISTS bench")
         session.query(f"CREATE TABLE bench.t (k UInt64, payload String CODEC({codec})) ENGINE = MergeTree ORDER BY k")
-        t0 = time.perf_counter()
-        for batch in batches:
-            arrow_rows = batch  # noqa: F841 (read by name by the query)
-            session.query(f"INSERT INTO bench.t SELECT * FROM Python(arrow_rows) SETTINGS max_insert_threads={threads}")
-        wall = time.perf_counter() - t0
-        sizes = str(
+        if merges == "off":
+            session.query("SYSTEM STOP MERGES bench.t")
+        if path == "union":
+            work, threads = (lambda b: _insert_union(session, b, parallel)), 1
+        else:
+            one = _insert_python if path == "python" else _insert_arrow
+            work, threads = (lambda b: one(session, b)), parallel
+        queue, lock, errors = iter(batches), threading.Lock(), []
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    b = next(queue, None)
+                if b is None:
+                    return
+                try:
+                    work(b)
+                except Exception as e:  # reported in the results: a path chDB refuses is a finding
+                    errors.append(f"{type(e).__name__}: {e}")
+                    return
+
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        pool = [threading.Thread(target=worker) for _ in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        stats = str(
             session.query(
-                "SELECT sum(data_compressed_bytes), sum(data_uncompressed_bytes) FROM system.columns "
-                "WHERE database = 'bench' AND table = 't' AND name = 'payload'",
+                "SELECT (SELECT count() FROM bench.t), (SELECT count() FROM system.parts WHERE database = 'bench' "
+                "AND table = 't' AND active), sum(data_compressed_bytes), sum(data_uncompressed_bytes) "
+                "FROM system.columns WHERE database = 'bench' AND table = 't' AND name = 'payload'",
                 "CSV",
             )
         ).strip()
-        compressed, uncompressed = (int(v) for v in sizes.split(","))
+        rows, parts, compressed, uncompressed = (int(v) for v in stats.split(","))
     finally:
         session.close()
-        shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(where, ignore_errors=True)
+    expected = sum(b.num_rows for b in batches)
     return {
         "codec": codec,
-        "insert_threads": threads,
         "record_mb": record_mb,
-        "payload_mb": n * nbytes / 2**20,
-        "GiBps": n * nbytes / 2**30 / wall,
-        "ratio": uncompressed / max(compressed, 1),
+        "batch_mb": batch_mb,
+        "path": path,
+        "parallel": parallel,
+        "merges": merges,
+        "payload_mb": payload / 2**20,
+        "GiBps": payload / 2**30 / wall,
+        "cores_used": cpu / wall,
+        "cpu_s_per_GiB": cpu / (payload / 2**30),
+        "parts": parts,
+        "rows_ok": rows == expected,
+        "ratio": uncompressed / compressed if compressed else None,  # None: compact parts keep no column sizes
+        "load_before": load,
+        "errors": errors[:1],
+    }
+
+
+def measure_ingest(
+    root: str, codec: str, record_kb: float, total_mb: float, segment_mb: float, batch_mb: float, read_ahead: str
+) -> dict:
+    """Spool ``total_mb`` of ``record_kb`` records (untimed), then one timed ``ingest_spool`` pass into a fresh store."""
+    from persist_throughput import make_records  # the same records as the persistence benchmark
+
+    from megatron.core.dmi.key import ParallelCoords
+    from megatron.core.dmi.sinks import SpoolSink
+    from megatron.core.dmi.store.backend import ChdbBackend
+    from megatron.core.dmi.store.ingest import _IngestPass, ingest_spool
+    from megatron.core.dmi.store.segments import list_segments
+
+    where = tempfile.mkdtemp(dir=root)
+    size = int(record_kb * 1024) // 2 * 2
+    rng = np.random.default_rng(7)
+    pool = [bf16_payload(size, rng) for _ in range(8)]
+    per_segment = max(1, int(segment_mb * 2**20) // size)
+    n_segments = max(1, int(total_mb * 2**20) // (per_segment * size))
+    spool = os.path.join(where, "spool")
+    sink = SpoolSink(
+        "bench",
+        ParallelCoords(rank=0),
+        spool,
+        segment_bytes=int(segment_mb * 2**20),
+        segment_records=1 << 30,
+        segment_seconds=1e9,
+    )
+    for it in range(n_segments):
+        sink.write(make_records(size, per_segment, it + 1, pool))
+    sink.flush()
+    sink.close()
+    segs = [s for s in list_segments(spool) if s.kind == "tensors"]
+    read = {}
+    for memory_map in (False, True):
+        t0 = time.perf_counter()
+        for s in segs:
+            pq.read_table(s.path, page_checksum_verification=True, memory_map=memory_map)
+        read["read_mmap_s" if memory_map else "read_plain_s"] = time.perf_counter() - t0
+    backend = ChdbBackend(os.path.join(where, "store", "chdb"))
+    load = load_average()
+    try:
+        backend.ensure_schema(payload_codec=codec)
+        real_read_ahead = _IngestPass.read_ahead
+        if read_ahead == "off":  # the reading thread finds nothing to do: every segment is verified in turn
+            _IngestPass.read_ahead = lambda self, seg: None
+        try:
+            c0, t0 = cpu_seconds(), time.perf_counter()
+            r = ingest_spool(backend, spool, delete=True, max_batch_bytes=int(batch_mb * 2**20))
+            wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        finally:
+            _IngestPass.read_ahead = real_read_ahead
+    finally:
+        backend.close()
+        shutil.rmtree(where, ignore_errors=True)
+    if r.errors or r.records != n_segments * per_segment:
+        raise SystemExit(
+            f"ingest pass did not load every record: {r.records} of {n_segments * per_segment}: {r.errors}"
+        )
+    return {
+        "codec": codec,
+        "record_kb": record_kb,
+        "read_ahead": read_ahead,
+        "segments": len(segs),
+        "segment_mb": segment_mb,
+        "batch_mb": batch_mb,
+        "records": r.records,
+        "payload_mb": r.payload_bytes / 2**20,
+        "GiBps": r.payload_bytes / 2**30 / wall,
+        "cores_used": cpu / wall,
+        "seconds": {"total": wall, **r.seconds},
+        "read_back_share": r.seconds["read_back"] / wall,
+        **read,
+        "load_before": load,
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--codecs", nargs="+", default=["ZSTD(1)", "LZ4", "NONE"])
-    p.add_argument("--threads", nargs="+", type=int, default=[1, 4, 8])
-    p.add_argument("--record-mb", nargs="+", type=float, default=[32, 4])
-    p.add_argument("--total-mb", type=int, default=1024, help="payload per measurement")
+    p.add_argument("--record-mb", nargs="+", type=float, default=[32])
+    p.add_argument("--batch-mb", nargs="+", type=float, default=[64, 256])
+    p.add_argument("--paths", nargs="+", choices=["python", "arrow", "union"], default=["python"])
+    p.add_argument("--parallel", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--merges", nargs="+", choices=["on", "off"], default=["on"])
+    p.add_argument("--total-mb", type=float, default=1024, help="payload per measurement")
+    p.add_argument("--repeats", type=int, default=1, help="measurements of each combination (interleaved)")
+    p.add_argument("--ingest", action="store_true", help="also time the real ingest pass (ingest_spool)")
+    p.add_argument("--ingest-codecs", nargs="+", choices=["lz4", "zstd1", "none"], default=["lz4", "zstd1"])
+    p.add_argument("--ingest-record-kb", nargs="+", type=float, default=[32768, 128])
+    p.add_argument("--ingest-batch-mb", type=float, default=256, help="the ingester's max_batch_bytes, MiB")
+    p.add_argument("--ingest-segment-mb", type=float, default=64, help="spool segment size, MiB (the sinks' default)")
+    p.add_argument(
+        "--read-ahead", nargs="+", choices=["on", "off"], default=["on"], help="off: verify each segment in turn"
+    )
+    p.add_argument("--skip-store", action="store_true", help="only the ingest pass")
+    p.add_argument("--quick", action="store_true", help="smoke run: small sizes, every path once")
     p.add_argument("--dir", default=None, help="where the stores go (default: a temporary folder)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    if a.quick:
+        a.codecs, a.record_mb, a.batch_mb, a.total_mb = ["LZ4"], [1], [4], 8
+        a.paths, a.parallel, a.merges, a.ingest, a.ingest_codecs = (
+            ["python", "arrow", "union"],
+            [2],
+            ["on"],
+            True,
+            ["lz4"],
+        )
+        a.ingest_record_kb, a.ingest_batch_mb, a.ingest_segment_mb = [1024, 64], 4, 2
+        a.read_ahead = ["on", "off"]
     root = a.dir or tempfile.mkdtemp(prefix="dmi_ingest_")
     os.makedirs(root, exist_ok=True)
-    rows = []
-    print(f"{'record MiB':>10} {'codec':>8} {'threads':>7} {'GiB/s':>7} {'ratio':>6}")
-    for record_mb in a.record_mb:
-        for codec in a.codecs:
-            for threads in a.threads:
-                r = measure(root, codec, threads, record_mb, a.total_mb, seed=len(rows))
-                rows.append(r)
-                print(f"{record_mb:>10g} {codec:>8} {threads:>7} {r['GiBps']:>7.3f} {r['ratio']:>6.3f}", flush=True)
-    if not a.dir:
-        shutil.rmtree(root, ignore_errors=True)
+    uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    rows, ingest_rows = [], []
+    try:
+        if not a.skip_store:
+            print(
+                f"{'rec MiB':>7} {'batch':>5} {'codec':>8} {'path':>6} {'par':>3} {'merges':>6} {'GiB/s':>6} {'cores':>5} {'parts':>5} {'ratio':>5} {'load':>5}"
+            )
+            combos = list(itertools.product(a.record_mb, a.batch_mb, a.codecs, a.paths, a.parallel, a.merges))
+            for rep in range(a.repeats):
+                for record_mb, batch_mb, codec, path, parallel, merges in combos:
+                    r = measure_store(
+                        root, codec, record_mb, batch_mb, path, parallel, merges, a.total_mb, seed=len(rows)
+                    )
+                    r["repeat"] = rep
+                    rows.append(r)
+                    print(
+                        f"{record_mb:>7g} {batch_mb:>5g} {codec:>8} {path:>6} {parallel:>3} {merges:>6} {r['GiBps']:>6.3f} "
+                        f"{r['cores_used']:>5.2f} {r['parts']:>5} {r['ratio'] or 0:>5.2f} {r['load_before']:>5.1f}"
+                        + (f"  ERROR {r['errors'][0]}" if r["errors"] else "" if r["rows_ok"] else "  ROWS MISSING"),
+                        flush=True,
+                    )
+        if a.ingest:
+            print(
+                f"\n{'rec KiB':>7} {'codec':>6} {'ahead':>5} {'GiB/s':>6} {'cores':>5} {'verify':>6} {'insert':>6} {'readbk':>6} {'record':>6} {'rb %':>5} {'read s':>6} {'mmap s':>6} {'load':>5}"
+            )
+            for rep in range(a.repeats):
+                for record_kb, codec, ahead in itertools.product(a.ingest_record_kb, a.ingest_codecs, a.read_ahead):
+                    r = measure_ingest(
+                        root, codec, record_kb, a.total_mb, a.ingest_segment_mb, a.ingest_batch_mb, ahead
+                    )
+                    r["repeat"] = rep
+                    ingest_rows.append(r)
+                    s = r["seconds"]
+                    print(
+                        f"{record_kb:>7g} {codec:>6} {ahead:>5} {r['GiBps']:>6.3f} {r['cores_used']:>5.2f} {s['verify']:>6.2f} {s['insert']:>6.2f} "
+                        f"{s['read_back']:>6.2f} {s['record']:>6.2f} {100 * r['read_back_share']:>5.1f} {r['read_plain_s']:>6.2f} "
+                        f"{r['read_mmap_s']:>6.2f} {r['load_before']:>5.1f}",
+                        flush=True,
+                    )
+    finally:
+        if not a.dir:
+            shutil.rmtree(root, ignore_errors=True)
+    uptime_after = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    print(f"\nuptime before: {uptime_before}\nuptime after:  {uptime_after}")
     if a.json:
+        import chdb
+
         write_json(
             a.json,
-            {"host": platform.node(), "cpus": os.cpu_count(), "args": vars(a), "results": rows},
+            {
+                "host": platform.node(),
+                "cpus": os.cpu_count(),
+                "chdb": chdb.__version__,
+                "uptime_before": uptime_before,
+                "uptime_after": uptime_after,
+                "args": vars(a),
+                "store": rows,
+                "ingest": ingest_rows,
+            },
         )
 
 

@@ -31,6 +31,7 @@ def cmd_ingest(args) -> int:
         poll_s=args.poll_seconds,
         threads=args.threads,
         nice=args.nice,
+        codec=args.codec,
         control=sys.stdin if args.control == "stdin" else None,
         out=None if by_hand else sys.stdout,
         interrupt_finishes=by_hand,
@@ -76,6 +77,9 @@ def _setup_ingest(p):
         "--threads", type=_int_in(1, None), default=None, help="chDB threads (default: a quarter of the cores, 1-4)"
     )
     p.add_argument("--nice", type=_int_in(0, 19), default=0, help="lower this process's CPU priority by this (0-19)")
+    p.add_argument(
+        "--codec", choices=["lz4", "zstd1", "none"], default=None, help="payload codec of a store created now"
+    )
     # the training process's supervisor talks to the ingester through its stdin ("wake", "final")
     p.add_argument("--control", choices=["stdin"], default=None, help="(used by a training run's supervisor)")
     p.set_defaults(func=cmd_ingest)

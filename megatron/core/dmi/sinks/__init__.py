@@ -52,6 +52,7 @@ def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingeste
             spool_root,
             database=config.clickhouse_database,
             password=resolve_password(config.clickhouse_password),
+            codec=config.store_codec,
         )
     return EmbeddedSink(
         store_dir,
@@ -61,6 +62,7 @@ def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingeste
         database=config.clickhouse_database,
         ingest_threads=config.ingest_threads,
         ingest_nice=config.ingest_nice,
+        codec=config.store_codec,
     )
 
 

@@ -383,18 +383,19 @@ class EmbeddedSink(SpoolSink):
         ingest_poll_s: float = 2.0,
         ingest_threads: int | None = None,
         ingest_nice: int = 10,
+        codec: str | None = None,
         **kw,
     ):
         """Spool under ``<store_dir>/spool``; on the node's ingesting rank (``is_ingester``) also start the
         ingester process (a pass every ``ingest_poll_s`` s or when a segment closes, ``ingest_threads``
-        chDB threads, ``ingest_nice`` lower CPU priority)."""
+        chDB threads, ``ingest_nice`` lower CPU priority; a store it creates gets payload codec ``codec``)."""
         super().__init__(run_id, coords, os.path.join(store_dir, "spool"), **kw)
         self.store_dir = store_dir
         self.is_ingester = is_ingester
         self.ingester: IngesterProcess | None = None
         if is_ingester:
             self.ingester = IngesterProcess(
-                store_dir, database, poll_s=ingest_poll_s, threads=ingest_threads, nice=ingest_nice
+                store_dir, database, poll_s=ingest_poll_s, threads=ingest_threads, nice=ingest_nice, codec=codec
             ).start()
 
     def _emit_records(self, table, n, nbytes):
@@ -522,6 +523,7 @@ class ServerSink(_BufferedSink):
         *,
         database: str = S.DEFAULT_DATABASE,
         password: str | None = None,
+        codec: str | None = None,
         retry_initial_s: float = 5.0,
         retry_max_s: float = 60.0,
         connect_timeout: float = 3.0,
@@ -532,6 +534,7 @@ class ServerSink(_BufferedSink):
         from ``retry_initial_s`` to ``retry_max_s``."""
         super().__init__(run_id, coords, spool_root, segment_bytes=segment_bytes, **kw)
         self.backend = ServerBackend(url, database, password, connect_timeout=connect_timeout)
+        self.codec = codec  # the payload codec of tables this sink creates on the server
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
         self._retry_s = retry_initial_s
@@ -563,7 +566,7 @@ class ServerSink(_BufferedSink):
     def _try_connect(self) -> bool:
         """(Re)connect, create the schema and replay this rank's spool. Caller holds _io_lock."""
         try:
-            self.backend.ensure_schema()
+            self.backend.ensure_schema(self.codec)
             if not self._up and self._warned:
                 log.warning("DMI: ClickHouse server %s reachable again; replaying the spool", self.backend.description)
             self._up = True

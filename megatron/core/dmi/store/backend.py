@@ -9,6 +9,7 @@ spliced into SQL text.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import re
 import shutil
@@ -21,6 +22,8 @@ import pyarrow as pa
 from megatron.core.dmi.errors import DMIError, InvalidArgumentError
 from megatron.core.dmi.store import schema as S
 from megatron.core.dmi.store_address import check_database, check_identifier, parse_server_url, redact, resolve_password
+
+log = logging.getLogger(__name__)
 
 
 class StoreBusyError(DMIError, RuntimeError):
@@ -57,6 +60,7 @@ class Backend(ABC):
 
     database: str
     description: str
+    payload_codec: str | None = None  # the store's payload codec, known once ensure_schema ran
 
     @abstractmethod
     def command(self, sql: str, params: dict[str, Any] | None = None) -> None:
@@ -82,9 +86,13 @@ class Backend(ABC):
         """Qualified, validated table name."""
         return S.qualified(self.database, table)
 
-    def ensure_schema(self) -> None:
-        """Create missing tables; refuse a store of another schema version."""
+    def ensure_schema(self, payload_codec: str | None = None) -> None:
+        """Create missing tables; refuse a store of another schema version. A new store's payloads get
+        ``payload_codec`` (``schema.PAYLOAD_CODECS``; None: the default); an existing store keeps the codec it
+        was created with (a warning when another one was asked for). ``self.payload_codec`` is then the store's."""
         db = check_identifier(self.database, "database name")
+        if payload_codec is not None:
+            S.check_payload_codec(payload_codec)
         exists = (
             self.query_arrow(
                 "SELECT count() AS n FROM system.tables WHERE database = {db:String} AND name = 'schema_version'",
@@ -95,11 +103,37 @@ class Backend(ABC):
         )
         if exists:
             self._check_version()
-        for stmt in S.ddl(db):
+        kept = self._stored_payload_codec()
+        if kept is not None and payload_codec is not None and kept != payload_codec:
+            log.warning(
+                "DMI store %s keeps the payload codec %s it was created with; the store codec %s applies to new "
+                "stores only",
+                self.description,
+                kept,
+                payload_codec,
+            )
+        self.payload_codec = kept or payload_codec or S.DEFAULT_PAYLOAD_CODEC
+        # Only the tensors table has a payload column: a store whose codec is no setting has that table already.
+        ddl_codec = self.payload_codec if self.payload_codec in S.PAYLOAD_CODECS else S.DEFAULT_PAYLOAD_CODEC
+        for stmt in S.ddl(db, ddl_codec):
             self.command(stmt)
         if not exists:
             self.command(f"INSERT INTO {db}.schema_version (version) VALUES ({{v:UInt32}})", {"v": S.SCHEMA_VERSION})
         self._check_version()
+
+    def _stored_payload_codec(self) -> str | None:
+        """The payload codec of the store's ``tensors`` table (None: no such table yet). The table's own
+        definition is the record: ClickHouse keeps each column's codec (``system.columns``)."""
+        got = self.query_arrow(
+            "SELECT compression_codec FROM system.columns WHERE database = {db:String} AND table = 'tensors' "
+            "AND name = 'payload'",
+            {"db": self.database},
+        )
+        if got.num_rows == 0:
+            return None
+        codec = got.column("compression_codec")[0].as_py()
+        # A codec outside the settings (a table made by hand) is kept, named as ClickHouse does.
+        return S.payload_codec_setting(codec) or codec or "the server's default"
 
     def _check_version(self) -> None:
         got = (

@@ -13,7 +13,10 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 
@@ -126,6 +129,9 @@ def min_free_bytes() -> int:
     return int(mb * 2**20)
 
 
+STAGES = ("verify", "insert", "read_back", "record")
+
+
 @dataclass
 class IngestResult:
     """What an ingest pass did with each spool segment, and how many records it loaded."""
@@ -144,6 +150,10 @@ class IngestResult:
     # (run_id, attempt, rank of the spool folder) -> [records, payload bytes] verified in the store
     verified: dict[tuple[str, int, int], list[int]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    # Wall seconds by stage: waiting for segments to be read and verified (the reading thread works while
+    # batches are inserted), inserting batches, reading them back, recording and retiring segments
+    # (benchmarks/ingest_throughput.py reports the read-back's share).
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
     def add(self, other: IngestResult) -> None:
         """Add another pass's counts, missing segments, verified totals and new errors to these; its ``paused``
@@ -167,6 +177,8 @@ class IngestResult:
             mine[0] += n
             mine[1] += b
         self.errors.extend(e for e in other.errors if e not in self.errors)  # a stuck segment: said once
+        for stage, s in other.seconds.items():
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + s
 
     def to_dict(self) -> dict:
         """Plain JSON types (the ingester process sends its result as JSON)."""
@@ -289,11 +301,18 @@ class _IngestPass:
     def run(self, segments: list[Segment], progress: Callable[[int], None] | None) -> IngestResult:
         """Take every segment, commit what is still queued, then look for missing raw segments."""
         raw_on_disk = {(s.rank, s.seq) for s in segments if s.raw}  # damaged ones too: those are not missing
-        for seg in segments:
-            size = seg.size
-            self.take(seg)
-            if progress:
-                progress(size)
+        # A reading thread verifies the next segment while this one is queued and its batch inserted:
+        # reading (pyarrow, zlib) and inserting (chDB) both release the GIL, so they overlap. One segment
+        # ahead bounds what is held in memory; everything else (skip, queue, commit, retire) stays here, in order.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmi-ingest-read") as reader:
+            ahead = reader.submit(self.read_ahead, segments[0]) if segments else None
+            for i, seg in enumerate(segments):
+                current = ahead
+                ahead = reader.submit(self.read_ahead, segments[i + 1]) if i + 1 < len(segments) else None
+                size = seg.size
+                self.take(seg, current)
+                if progress:
+                    progress(size)
         for kind in list(self.pending):
             self.commit(kind)
         _check_numbering(self.backend, self.numbering, raw_on_disk, self.res)
@@ -301,8 +320,15 @@ class _IngestPass:
             self.res.note(self.res.paused)
         return self.res
 
-    def take(self, seg: Segment) -> None:
-        """Skip a segment the store holds, reject one that cannot be read, else verify and queue it."""
+    def read_ahead(self, seg: Segment) -> VerifiedSegment | None:
+        """The reading thread's work: ``verify_segment(seg)``, or None for a segment the store holds already."""
+        if peek_segment_id(seg) in self.known:
+            return None
+        return verify_segment(seg)
+
+    def take(self, seg: Segment, read: Future | None = None) -> None:
+        """Skip a segment the store holds, reject one that cannot be read, else queue it verified (by ``read``,
+        the reading thread's ``read_ahead``, or here)."""
         try:
             sid = peek_segment_id(seg)
             if seg.raw:
@@ -313,7 +339,10 @@ class _IngestPass:
                 if self.delete:
                     _retire(seg, keep=False)
                 return
-            verified = verify_segment(seg)
+            with self.timed("verify"):
+                verified = read.result() if read is not None else None
+                if verified is None:
+                    verified = verify_segment(seg)
         except Exception as e:  # last resort: whatever is wrong with one segment, the ones behind it still load
             self.reject(seg, e)
             return
@@ -370,15 +399,26 @@ class _IngestPass:
             )
             return
         done = self.fully_stored(batch, missing, derived_missing)
-        if done and self.record_loaded(kind, done):
-            self.retire_loaded(kind, done)
+        with self.timed("record"):
+            if done and self.record_loaded(kind, done):
+                self.retire_loaded(kind, done)
+
+    @contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        """Add the wall time of the block to ``res.seconds[stage]`` (also when it raises)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.res.seconds[stage] += time.perf_counter() - t0
 
     def insert(self, kind: str, table: pa.Table) -> tuple[np.ndarray, int, Exception | None]:
         """Insert a batch (and its derived rows) and read it back: the batch's rows not found, the
         derived rows not found, and the error that refused the insert or the read-back (or None)."""
         refused = None
         try:
-            loaded = load_table(self.backend, kind, table)
+            with self.timed("insert"):
+                loaded = load_table(self.backend, kind, table)
         except Exception as exc:  # the store refused the batch (disk full, server error), but an insert can
             # fail after storing some or all of its rows (seen on a full disk): the read-back below decides
             refused = exc
@@ -386,8 +426,9 @@ class _IngestPass:
         missing = np.ones(table.num_rows, dtype=bool)
         derived_missing = 0
         try:
-            for name, t in loaded:
-                m = rows_missing(self.backend, name, t)
+            with self.timed("read_back"):
+                found = [(name, rows_missing(self.backend, name, t)) for name, t in loaded]
+            for name, m in found:
                 if name == kind:
                     missing = m
                 else:

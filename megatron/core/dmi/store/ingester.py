@@ -137,12 +137,12 @@ class _Control:
 class _Service:
     """The store-owning side of ``serve``: the backend, the segment ids it knows, and its status."""
 
-    def __init__(self, store_dir: str, database: str, threads: int):
+    def __init__(self, store_dir: str, database: str, threads: int, codec: str | None):
         self.store_dir = store_dir
         self.spool_root = os.path.join(store_dir, "spool")
         self.backend = ChdbBackend(os.path.join(store_dir, "chdb"), database)  # StoreBusyError: stand down
         try:
-            self.backend.ensure_schema()
+            self.backend.ensure_schema(codec)  # a new store's payload codec; an existing one keeps its own
             # chDB's query and insert pools: the training keeps the other cores
             self.backend.command(f"SET max_threads = {int(threads)}")
             self.backend.command(f"SET max_insert_threads = {int(threads)}")
@@ -218,6 +218,7 @@ def serve(
     poll_s: float = 2.0,
     threads: int | None = None,
     nice: int = 0,
+    codec: str | None = None,
     control=None,
     out=None,
     interrupt_finishes: bool = False,
@@ -225,6 +226,7 @@ def serve(
     """The ingester process's main loop (see the module's docstring); returns its exit status: 0, or
     ``EXIT_STANDING_DOWN`` when another process holds the store. ``control``: the stream of ``wake`` /
     ``final`` lines (None: poll only); ``out``: where status lines go (None: the status file only);
+    ``codec``: the payload codec of a store created now (``schema.PAYLOAD_CODECS``; None: the default);
     ``interrupt_finishes``: Ctrl-C ends ``follow`` with a final pass (by hand) instead of being ignored
     (a training's ingester: the training tells it to finish). Call it on the main thread."""
     if nice:
@@ -237,7 +239,7 @@ def serve(
     signal.signal(signal.SIGTERM, finish)
     signal.signal(signal.SIGINT, finish if interrupt_finishes else signal.SIG_IGN)
     try:
-        svc = _Service(store_dir, database, threads or default_ingest_threads())
+        svc = _Service(store_dir, database, threads or default_ingest_threads(), codec)
     except StoreBusyError as e:
         standing = IngesterStatus(os.getpid(), socket.gethostname(), "standing down", False, time.time(), str(e))
         if out is not None:
@@ -285,14 +287,17 @@ class IngesterProcess:
         poll_s: float = 2.0,
         threads: int | None = None,
         nice: int = 10,
+        codec: str | None = None,
     ):
         """An ingester for the store under ``store_dir`` (``start`` launches it): a pass every ``poll_s``
-        seconds or when woken, ``threads`` chDB threads, at CPU priority ``nice`` (added to ours)."""
+        seconds or when woken, ``threads`` chDB threads, at CPU priority ``nice`` (added to ours); a store it
+        creates gets payload codec ``codec`` (None: the default)."""
         self.store_dir = store_dir
         self.database = database
         self.poll_s = poll_s
         self.threads = threads or default_ingest_threads()
         self.nice = nice
+        self.codec = codec
         self.restarts = 0
         self.errors: list[str] = []
         self._lock = threading.Lock()
@@ -326,7 +331,9 @@ class IngesterProcess:
             str(self.threads),
             "--nice",
             str(self.nice),
-        ] + (["--follow", "--control", "stdin"] if follow else [])
+        ]
+        cmd += ["--codec", self.codec] if self.codec else []
+        cmd += ["--follow", "--control", "stdin"] if follow else []
         try:
             # its own session: a terminal's Ctrl-C or a kill of the training's process group does not
             # cut an insert short; it learns of the end from its control stream

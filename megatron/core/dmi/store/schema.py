@@ -163,10 +163,35 @@ _CODECS = {
     "nbytes": "CODEC(T64, ZSTD(1))",
     "tokens_pre": "CODEC(T64, ZSTD(1))",
     "tokens_post": "CODEC(T64, ZSTD(1))",
-    "payload": "CODEC(ZSTD(1))",
     "config_json": "CODEC(ZSTD(3))",
 }
 _SMALL_INT_CODEC = "CODEC(T64, ZSTD(1))"
+
+# The payload column's codec is a store setting (``--dmi-store-codec``), fixed when the store's tables are
+# created: ZSTD(1) saves about a fifth of the disk on bf16 activations but is the slowest stage of ingest;
+# LZ4 and none save nothing on bf16 and insert about 1.7x faster (docs/storage.md has the figures).
+PAYLOAD_CODECS = {"lz4": "LZ4", "zstd1": "ZSTD(1)", "none": "NONE"}  # the choices of DMIConfig.store_codec
+DEFAULT_PAYLOAD_CODEC = "lz4"
+
+
+class PayloadCodecError(DMIError, ValueError):
+    """A payload codec name that is not one of ``PAYLOAD_CODECS``."""
+
+
+def check_payload_codec(name: str) -> str:
+    """``name`` if it is a payload codec setting (zstd1, lz4, none), else ``PayloadCodecError``."""
+    if name not in PAYLOAD_CODECS:
+        raise PayloadCodecError(f"unknown store codec {name!r}: expected one of {', '.join(PAYLOAD_CODECS)}")
+    return name
+
+
+def payload_codec_setting(ddl_codec: str) -> str | None:
+    """The setting (zstd1, lz4, none) of a payload column's codec as ClickHouse reports it
+    (``system.columns.compression_codec``, e.g. ``CODEC(ZSTD(1))``); None for an empty or another one."""
+    for name, codec in PAYLOAD_CODECS.items():
+        if ddl_codec.replace(" ", "") == f"CODEC({codec})":
+            return name
+    return None
 
 
 def _ch_type(name: str, t: pa.DataType) -> str:
@@ -193,11 +218,11 @@ def _ch_type(name: str, t: pa.DataType) -> str:
     raise InvalidArgumentError(f"no ClickHouse type for column {name}: {t}")
 
 
-def _columns(schema: pa.Schema) -> str:
+def _columns(schema: pa.Schema, payload_codec: str) -> str:
     cols = []
     for f in schema:
         ch = _ch_type(f.name, f.type)
-        codec = _CODECS.get(f.name)
+        codec = f"CODEC({PAYLOAD_CODECS[payload_codec]})" if f.name == "payload" else _CODECS.get(f.name)
         if codec is None and ch in ("Int32", "Int16", "UInt32") and f.name not in ("checksum",):
             codec = _SMALL_INT_CODEC
         cols.append(f"    {f.name} {ch}" + (f" {codec}" if codec else ""))
@@ -259,9 +284,11 @@ ORDER_BY: dict[str, tuple[str, ...]] = {
 TABLES = ("tensors", "expert_counts", "runs", "topology", "drops", "reports", "segments", "quarantine")
 
 
-def ddl(database: str = DEFAULT_DATABASE) -> list[str]:
-    """Statements that create the database, every table and the ``*_latest`` views (idempotent: IF NOT EXISTS)."""
+def ddl(database: str = DEFAULT_DATABASE, payload_codec: str = DEFAULT_PAYLOAD_CODEC) -> list[str]:
+    """Statements that create the database, every table and the ``*_latest`` views (idempotent: IF NOT EXISTS);
+    a table created by them stores payloads with ``payload_codec`` (a key of ``PAYLOAD_CODECS``)."""
     db = check_identifier(database, "database name")
+    check_payload_codec(payload_codec)
     out = [f"CREATE DATABASE IF NOT EXISTS {db}"]
     out.append(
         f"CREATE TABLE IF NOT EXISTS {db}.schema_version (\n    version UInt32,\n"
@@ -271,7 +298,7 @@ def ddl(database: str = DEFAULT_DATABASE) -> list[str]:
         schema = TABLE_SCHEMAS[table]
         order = ", ".join(ORDER_BY[table])
         out.append(
-            f"CREATE TABLE IF NOT EXISTS {qualified(db, table)} (\n{_columns(schema)}\n)"
+            f"CREATE TABLE IF NOT EXISTS {qualified(db, table)} (\n{_columns(schema, payload_codec)}\n)"
             f" ENGINE = ReplacingMergeTree ORDER BY ({order})"
         )
     out += [_latest_view(db, view, table) for view, table in LATEST_VIEWS.items()]
