@@ -5,7 +5,8 @@ ingesting) and shows, for the latest iteration whose expert counts are all in, p
 expert received after capacity dropping, the imbalance (max/mean), the capacity drop rate and the
 router's normalised entropy (when ``router.logits`` are captured); then the run's records and bytes
 and the store lag (records in closed spool segments that the store has not loaded yet; the view
-already includes them). ``--once`` prints one frame and exits; ``--json`` prints the frame's
+already includes them), with the ingester process's own view of it (``<store>/ingester.json``: when it
+last made a pass, and how long the oldest segment has waited). ``--once`` prints one frame and exits; ``--json`` prints the frame's
 numbers instead of the table (for scripts).
 """
 
@@ -58,6 +59,7 @@ class WatchFrame:
     load_iteration: int | None = None  # the iteration the per-layer numbers describe
     layers: list[LayerStats] = field(default_factory=list)
     store_missing: bool = False  # no store at the path yet: the run has not created it (watch waits for it)
+    ingester: str = ""  # the store's ingester process and its lag (its <store>/ingester.json), "" if none reported
 
 
 def _layer_stats(load, entropy) -> list[LayerStats]:
@@ -91,6 +93,7 @@ def collect(store_path: str, database: str = "dmi", run_id: str | None = None, e
             raise  # a wrong folder (stores under it) or a plain file: waiting would not help
         frame.store_missing = True
         return frame
+    frame.ingester = _ingester_line(store_path)
     with opened as store:
         frame.store_lag_records = store.ingest_result.records
         frame.store_lag_segments = store.ingest_result.segments_loaded
@@ -113,6 +116,25 @@ def collect(store_path: str, database: str = "dmi", run_id: str | None = None, e
             per_layer_entropy = {int(r.layer): float(r.entropy_normalized) for r in ent.itertuples()}
         frame.layers = _layer_stats(load, per_layer_entropy)
     return frame
+
+
+def _ingester_line(store_path: str) -> str:
+    """Who ingests the store and how far behind it is, from the status its ingester process publishes."""
+    if "://" in store_path:
+        return ""
+    from megatron.core.dmi.store.ingester import read_status
+
+    s = read_status(store_path)
+    if s is None or not s.owner:
+        return ""
+    if s.state == "done":
+        return f"ingester: ended at {datetime.fromtimestamp(s.last_pass).strftime('%H:%M:%S')}"
+    now = time.time()
+    lag = f", the oldest for {now - s.oldest_waiting:.0f} s" if s.oldest_waiting else ""
+    return (
+        f"ingester: pid {s.pid} on {s.host}, last pass {now - s.last_pass:.0f} s ago; {s.waiting_segments} spool "
+        f"segment(s) ({fmt_bytes(s.waiting_bytes)}) waiting{lag}"
+    )
 
 
 def _bars(values: list[int]) -> str:
@@ -152,6 +174,7 @@ def render(frame: WatchFrame, interval: float | None = None):
         ("\nstore lag ", "dim"),
         f"{frame.store_lag_records} record(s) in {frame.store_lag_segments} spool segment(s)"
         " not loaded yet (shown here already)",
+        *((("\n" + frame.ingester, "dim"),) if frame.ingester else ()),
     )
     if not frame.layers:
         return Group(head, facts, Text("no router.expert_counts captured yet"))

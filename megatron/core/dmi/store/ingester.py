@@ -313,6 +313,7 @@ class IngesterProcess:
     # -- life ----------------------------------------------------------------------------------
     def start(self) -> IngesterProcess:
         """Launch the ingester (returns at once; it opens the store on its own); returns self."""
+        os.makedirs(self.store_dir, exist_ok=True)  # a run's store may not exist before its first segment
         self._launch(follow=True)
         return self
 

@@ -51,3 +51,14 @@ def ingest_all(store_dir: str) -> dict:
     ing = IngesterProcess(store_dir).start()
     ing.finish()
     return {"owner": ing.owner, "records": ing.result.records}
+
+
+def hold_reader_store(store_dir: str, ready: str, stop: str) -> None:
+    """A process that holds the store itself (e.g. a `load`), not as an ingester, until ``stop`` exists."""
+    from megatron.core.dmi.store.backend import ChdbBackend
+
+    b = ChdbBackend(os.path.join(store_dir, "chdb"))
+    b.ensure_schema()
+    open(ready, "w").close()
+    _wait_for(stop)
+    b.close()

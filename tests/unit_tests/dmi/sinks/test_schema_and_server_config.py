@@ -49,7 +49,7 @@ def test_ddl_covers_every_table_with_codecs():
     text = "\n".join(stmts)
     for t in ("tensors", "expert_counts", "runs", "topology", "drops", "reports", "segments", "schema_version"):
         assert f"dmi.{t} (" in text
-    assert "payload String CODEC(ZSTD(1))" in text
+    assert "payload String CODEC(LZ4)" in text  # the default store codec
     assert "iteration Int64 CODEC(Delta, ZSTD(1))" in text
     assert "ReplacingMergeTree ORDER BY (run_id, phase, output, layer, iteration, microbatch" in text
 
