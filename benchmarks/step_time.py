@@ -21,7 +21,8 @@ import numpy as np
 
 _STEP = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 _REPORT = re.compile(r"rank 0: captured (\d+) records \((\d+) B\), written (\d+).*?spooled (\d+), dropped (\d+)")
-_LAG = re.compile(r"store lag: (\d+) records")
+_LAG = re.compile(r"store lag: (\d+) records(?:, (\d+) s)?")
+_COMPLETE = re.compile(r"store complete ([0-9.]+) s after close began")
 _LOADED = re.compile(r"loaded \d+ segment\(s\): (\d+) record\(s\)")
 _WALL = re.compile(r"load rc=(\d+) wall ([0-9.]+) s")
 
@@ -64,7 +65,8 @@ def read(path: str) -> str:
 
 def analyse(d: str, skip: int) -> dict:
     logs = {
-        name: read(os.path.join(d, name + ".log")) for name in ("off", "alt_router", "alt_attn", "spool", "clickhouse")
+        name: read(os.path.join(d, name + ".log"))
+        for name in ("off", "off2", "alt_router", "alt_attn", "spool", "clickhouse")
     }
     times = {name: step_times(log) for name, log in logs.items()}
     out: dict = {"device": read(os.path.join(d, "gpu.txt")).strip(), "skipped_warmup_iterations": skip}
@@ -89,8 +91,12 @@ def analyse(d: str, skip: int) -> dict:
                 "written": written,
                 "spooled": spooled,
                 "dropped": dropped,
-                "store_lag_last_log_line": int(lags[-1]) if lags else None,
+                "store_lag_last_log_line": int(lags[-1][0]) if lags else None,
+                "store_lag_seconds_last_log_line": int(lags[-1][1]) if lags and lags[-1][1] else None,
             }
+            complete = _COMPLETE.search(logs[name])
+            if complete:
+                out[name]["store_complete_s_after_close_began"] = float(complete.group(1))
     load = read(os.path.join(d, "load.log"))
     spool_bytes = read(os.path.join(d, "spool_bytes.txt")).split()
     wall, loaded = _WALL.search(load), _LOADED.search(load)

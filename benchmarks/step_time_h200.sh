@@ -4,12 +4,13 @@
 #   bash benchmarks/step_time_h200.sh
 # The model is benchmarks/overhead.py's (8 layers, h2048, 16 experts top-4, seq 4096, bf16, local
 # spec). Runs one after another, each pretrain_gpt.py with --log-interval 1:
-#   off          DMI off (its odd and even iterations are the in-process A/A pair)
+#   off, off2    DMI off, twice (the floor between two runs; odd and even iterations of one are the
+#                in-process A/A pair)
 #   alt_router   --dmi-hooks router --dmi-interval 2: odd iterations captured, even ones not
 #   alt_attn     --dmi-hooks router,attn --dmi-interval 2
 #   spool        --dmi-hooks router,attn --dmi-persist spool, every iteration
-#   clickhouse   --dmi-hooks router,attn --dmi-persist clickhouse (embedded chDB, the ingester in
-#                the training process), every iteration: the user's command
+#   clickhouse   --dmi-hooks router,attn --dmi-persist clickhouse (embedded chDB, the node's ingester
+#                process), every iteration: the user's command
 # then loads the spool run's segments into a fresh store (`megatron-dmi load`, timed: ingest GB/s),
 # reads the clickhouse store back (`megatron-dmi show`), and clocks DMI's host time per firing
 # (host_cost.py). Logs and JSON come back in $OUT; analyse here with benchmarks/step_time.py.
@@ -35,10 +36,10 @@ train() {  # name, extra args...
   echo "$name rc=$? $(grep -c 'elapsed time per iteration' $OUT/$name.log) iterations; $(grep -A1 'DMI end-of-run' $OUT/$name.log | tail -1)"
 }
 DMI=(--dmi-ring-mb 4096 --dmi-store-dir)
-RUNS=${RUNS:-off alt_router alt_attn spool clickhouse}  # a subset: RUNS="off clickhouse"
+RUNS=${RUNS:-off alt_router alt_attn spool clickhouse off2}  # a subset: RUNS="off spool clickhouse off2"
 for run in $RUNS; do
   case $run in
-    off) train off ;;
+    off|off2) train $run ;;
     alt_router) train alt_router --dmi-hooks router --dmi-interval 2 --dmi-persist spool "${DMI[@]}" $W/alt_router ;;
     alt_attn) train alt_attn --dmi-hooks router,attn --dmi-interval 2 --dmi-persist spool "${DMI[@]}" $W/alt_attn ;;
     spool) train spool --dmi-hooks router,attn --dmi-persist spool "${DMI[@]}" $W/spool ;;
