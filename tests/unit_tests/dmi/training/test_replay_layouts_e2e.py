@@ -64,8 +64,13 @@ def test_record_tp1_replay_ep2(tmp_path_factory, tp1):
 
 @pytest.mark.parametrize(
     "layout",
-    [["--pipeline-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]],
-    ids=["pp2", "tp2-sp"],
+    [
+        ["--pipeline-model-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        # experts not split across the tensor-parallel ranks (ETP=1 under TP=2): routing is per SP shard still
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"],
+    ],
+    ids=["pp2", "tp2-sp", "tp2-sp-etp1"],
 )
 def test_record_tp1_replay_in_another_layout(tmp_path_factory, tp1, layout):
     """Each pipeline stage extracts only its own layer; each tensor-parallel rank under sequence
@@ -83,4 +88,12 @@ def test_record_tp1_replay_pp2_with_virtual_stages(tmp_path_factory):
     vpp = [*four, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
     replayed = _replayed(tmp_path_factory, "tp1-to-pp2-vpp2", source, vpp)
     assert replayed.keys() == _ids(source).keys() and len(replayed) == 4 * ITERS * 2
+    assert all(torch.equal(replayed[k], _ids(source)[k]) for k in replayed)
+
+
+def test_record_tp2_sp_replay_tp1(tmp_path_factory):
+    """The reverse: a run recorded on two sequence shards replays on one process, whole sequences."""
+    source = _train(tmp_path_factory, "tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], nproc=2)
+    replayed = _ids(_train(tmp_path_factory, "tp2-sp-to-tp1", ["--dmi-replay-routing", source["store"]]))
+    assert replayed.keys() == _ids(source).keys() and len(replayed) == LAYERS * ITERS * 2
     assert all(torch.equal(replayed[k], _ids(source)[k]) for k in replayed)
