@@ -41,6 +41,7 @@ _FLAG_VALUES = {
     "--dmi-phases": "`train`, `valid`, `train,valid`",
     "--dmi-ring-mb": "MiB (float), at least one record, at most half the host memory per process on the machine (and the free GPU memory)",
     "--dmi-block-timeout": "seconds (float) above 0, at most a week",
+    "--dmi-spool-max-gb": "GiB (float) above 0; only with `--dmi-persist clickhouse`",
     "--dmi-run-id": "1-128 of `[A-Za-z0-9._-]`, starting with a letter or digit",
     "--dmi-flush-records": "integer >= 1",
     "--dmi-logits-topk": "integer >= 1",

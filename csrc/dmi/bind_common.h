@@ -291,6 +291,7 @@ void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) 
       .def("add_site", &SpoolThread::add_site)
       .def("flush", &SpoolThread::flush, py::call_guard<py::gil_scoped_release>())
       .def("stop", &SpoolThread::stop, py::call_guard<py::gil_scoped_release>())
+      .def("set_hold", &SpoolThread::set_hold, py::arg("hold"))
       .def("take_closed", &SpoolThread::take_closed)
       .def("stats", [](SpoolThread& t) {
         SpoolStats s = t.stats();
@@ -301,6 +302,7 @@ void bind_ring_common(py::module_& m, py::class_<Ring>& cls, const char* build) 
         d["dropped_bytes"] = s.dropped_bytes;
         d["segments"] = s.segments;
         d["open_rows"] = s.open_rows;
+        d["open_bytes"] = s.open_bytes;
         d["checksum_ns"] = s.checksum_ns;
         d["write_ns"] = s.write_ns;
         d["sync_ns"] = s.sync_ns;

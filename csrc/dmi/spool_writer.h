@@ -21,6 +21,9 @@
 // (its size reached, segment_seconds after its first record, or a flush); a killed process leaves
 // only the temporary file. On a write error the segment is cut back to its last whole block and
 // kept: only the failing block is lost.
+// While held (set_hold, the drain's --dmi-spool-max-gb bound) the writer takes nothing from the
+// ring unless a flush or stop waits: the ring fills and its --dmi-on-full policy applies. A flush
+// or stop still writes everything published before it, so it can take the spool past the bound.
 #pragma once
 
 #include <fcntl.h>
@@ -90,6 +93,7 @@ struct SpoolStats {
   uint64_t dropped_records = 0, dropped_bytes = 0;  // lost to write errors
   uint64_t segments = 0;                            // closed segments
   uint64_t open_rows = 0;                           // rows in the segment being written
+  uint64_t open_bytes = 0;                          // its size on disk so far
   // Where the writer's time goes (wall ns): checksums, writes into the page cache, fsyncs at
   // flushes. Their sum over elapsed time says how close the writer is to falling behind capture.
   uint64_t checksum_ns = 0, write_ns = 0, sync_ns = 0;
@@ -121,6 +125,7 @@ class SpoolThread {
     flush_target_ = load_acquire(&core_.shared()->seq);
     core_.wake_takers();
     core_.kick();
+    wake_cv_.notify_all();
     return done_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), [&] { return flush_ack_ >= req || dead_; });
   }
 
@@ -132,8 +137,20 @@ class SpoolThread {
       stopping_ = true;
       flush_target_ = load_acquire(&core_.shared()->seq);
     }
+    wake_cv_.notify_all();
     core_.wake_takers();
     if (thread_.joinable()) thread_.join();
+  }
+
+  // Held: take nothing from the ring until released, unless a flush or stop waits (those write
+  // everything published before them). Aged segments still close while held.
+  void set_hold(bool hold) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      hold_ = hold;
+    }
+    wake_cv_.notify_all();
+    if (hold) core_.wake_takers();  // end a wait for records now: what is published next stays in the ring
   }
 
   SpoolStats stats() {
@@ -167,16 +184,17 @@ class SpoolThread {
     for (;;) {
       const uint64_t epoch = core_.wake_epoch();  // before reading the flush state: no lost wake-up
       uint64_t req, target;
-      bool stopping, urgent;
+      bool stopping, urgent, held;
       {
         std::lock_guard<std::mutex> g(mu_);
         req = flush_req_;
         target = flush_target_;
         stopping = stopping_;
         urgent = stopping || req > flush_ack_;
+        held = hold_ && !urgent;
       }
       bool wrote = false;
-      if (!urgent || core_.taken() < target) {
+      if (!held && (!urgent || core_.taken() < target)) {
         std::lock_guard<std::mutex> take_lock(core_.take_mu());
         uint64_t too_big = 0;
         std::vector<Entry> got =
@@ -202,6 +220,11 @@ class SpoolThread {
         if (stopping) return;
       } else if (urgent && !wrote && !core_.error().empty()) {
         throw std::runtime_error("ring drain failed: " + core_.error());
+      }
+      if (held) {
+        std::unique_lock<std::mutex> lk(mu_);
+        wake_cv_.wait_for(lk, std::chrono::duration<double>(cfg_.poll_s),
+                          [&] { return !hold_ || stopping_ || flush_req_ > flush_ack_; });
       }
     }
   }
@@ -310,6 +333,7 @@ class SpoolThread {
     stats_.records += rows;
     stats_.bytes += payload;
     stats_.open_rows = segment_rows_;
+    stats_.open_bytes = file_bytes_;
   }
 
   void drop(uint64_t rows, uint64_t bytes) {
@@ -330,6 +354,7 @@ class SpoolThread {
     stats_.dropped_records += segment_rows_;
     stats_.dropped_bytes += segment_bytes_;
     stats_.open_rows = 0;
+    stats_.open_bytes = 0;
   }
 
   void close_segment() {
@@ -357,6 +382,7 @@ class SpoolThread {
     std::lock_guard<std::mutex> g(mu_);
     stats_.segments += 1;
     stats_.open_rows = 0;
+    stats_.open_bytes = 0;
     closed_.emplace_back(final_, segment_rows_);
   }
 
@@ -456,9 +482,10 @@ class SpoolThread {
 
   std::mutex mu_;  // guards the fields below this line and sites_
   std::condition_variable done_cv_;
+  std::condition_variable wake_cv_;  // ends a held writer's wait: released, flush, stop
   std::unordered_map<uint64_t, std::string> sites_;
   uint64_t flush_req_ = 0, flush_ack_ = 0, flush_target_ = 0;
-  bool stopping_ = false, dead_ = false;
+  bool stopping_ = false, dead_ = false, hold_ = false;
   SpoolStats stats_;
   std::vector<std::pair<std::string, uint64_t>> closed_;
 

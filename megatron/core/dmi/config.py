@@ -149,6 +149,28 @@ def block_timeout_seconds(value: str | float) -> float:
     return seconds
 
 
+def spool_size_gb(value: str | float) -> float:
+    """A bound on the spool's disk use.
+
+    Args:
+        value: GiB, as the flag's text or a number.
+
+    Returns:
+        The GiB: finite and above 0.
+
+    Raises:
+        ConfigValueError: not a number, or not a positive finite size.
+    """
+    gb = _number(value, "a size in GiB")
+    if not (math.isfinite(gb) and gb > 0):
+        raise ConfigValueError(f"expected a size in GiB above 0, got {value!r}")
+    return gb
+
+
+class SpoolBoundError(ConfigValueError):
+    """A spool bound given where no store takes the spool away (``--dmi-persist spool`` or ``none``)."""
+
+
 def parse_phases(spec: str | Iterable[str]) -> frozenset[str]:
     """The phases captured.
 
@@ -320,6 +342,12 @@ class DMIConfig:
     """seconds a producer blocked by a full ring (--dmi-on-full block) waits for space; then its
     record is dropped and counted as a drop (a stalled drain cannot hang training)"""
 
+    spool_max_gb: float | None = _parsed(None, spool_size_gb)
+    """GiB of each rank's spool segments that may wait for the store (ingest, or a server's replay);
+    at the bound the drain stops taking records, DMI warns, and the ring's --dmi-on-full policy
+    applies until the store catches up (docs/storage.md). Default: no bound. Only with
+    --dmi-persist clickhouse: a spool-only run keeps every segment by design"""
+
     transport: Literal["auto", "native", "torch"] = "auto"
     """native: JIT-built ring kernels; torch: pure-PyTorch ring; auto: native if it builds"""
 
@@ -358,11 +386,21 @@ class DMIConfig:
                     raise
         if self.end_iter is not None and self.end_iter < self.start_iter:
             raise CaptureWindowError(f"{self.end_iter} is before --dmi-start-iter {self.start_iter}")
+        if self.spool_max_gb is not None and self.persist != "clickhouse":
+            raise SpoolBoundError(
+                f"bounds the spool that a store takes away, and --dmi-persist {self.persist} has none "
+                "(a spool-only run keeps every segment by design)"
+            )
 
     @property
     def enabled(self) -> bool:
         """Whether any output is selected for capture (DMI is on)."""
         return bool(self.hooks)
+
+    @property
+    def spool_max_bytes(self) -> int | None:
+        """The spool bound in bytes (``spool_max_gb`` GiB), or None."""
+        return None if self.spool_max_gb is None else max(1, int(self.spool_max_gb * (1 << 30)))
 
     @property
     def ring_bytes(self) -> int:

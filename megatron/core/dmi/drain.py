@@ -7,6 +7,13 @@ When the sink ends in spool files and the transport is the native ring, the ring
 spool writer consumes it instead (no Python, no GIL per batch: every GIL round trip of a
 background thread delays the training thread's next kernel launches); this thread then only
 answers flushes and relays the writer's progress to the sink.
+
+Spool bound (``--dmi-spool-max-gb``): when the bytes waiting in the rank's spool for the store
+reach the sink's bound, the drain stops taking records (the native writer is held), so the ring
+fills and its ``--dmi-on-full`` policy applies: producers wait (``block``, up to
+``--dmi-block-timeout``, then drop) or drop (``drop``), every drop counted and its key stored. DMI
+says so when a spell at the bound starts and ends, and counts the time spent there. Flushes and
+``close`` still write everything published before them, past the bound if need be.
 """
 
 from __future__ import annotations
@@ -14,12 +21,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import warnings
 
 import pyarrow as pa
 
 from megatron.core.dmi.config import DMIConfig
-from megatron.core.dmi.sinks.base import Sink
+from megatron.core.dmi.sinks.base import Sink, SpoolBacklog
 from megatron.core.dmi.transport.base import Transport
 
 log = logging.getLogger(__name__)
@@ -56,6 +64,10 @@ class Drain:
         self.batches_written = 0
         self.sink_errors: list[str] = []
         self._native_errors_seen = 0
+        self.holding = False  # the consumer takes nothing: the spool is at its bound
+        self.bound_spells = 0  # times the spool reached its bound
+        self._bound_seconds = 0.0  # time spent at the bound in finished spells
+        self._bound_since: float | None = None  # when the current spell began
         target = sink.native_spool_target() if native_spool and hasattr(transport, "start_spool") else None
         self.native = target is not None
         if self.native:
@@ -91,11 +103,62 @@ class Drain:
         live = self.transport.spool_stats() if self.native else None
         return live["records"] if live else self._records
 
+    @property
+    def bound_seconds(self) -> float:
+        """Time the drain spent holding at the spool bound, the current spell included."""
+        since = self._bound_since
+        return self._bound_seconds + (0.0 if since is None else time.monotonic() - since)
+
+    def _at_bound(self) -> bool:
+        """Whether the sink's spool is at its bound; says so when a spell starts or ends."""
+        backlog = self.sink.spool_backlog()
+        full = backlog is not None and backlog.full
+        if full and self._bound_since is None:
+            self._bound_since = time.monotonic()
+            self.bound_spells += 1
+            msg = self._bound_message(backlog)
+            warnings.warn(msg, RuntimeWarning, stacklevel=2)
+            log.error(msg)
+        elif not full and self._bound_since is not None:
+            spell = time.monotonic() - self._bound_since
+            self._bound_seconds += spell
+            self._bound_since = None
+            waiting = backlog.waiting_bytes if backlog is not None else 0
+            log.warning(
+                "DMI: the spool in %s is below the --dmi-spool-max-gb bound again (%.2f GiB waiting for the "
+                "store); capture resumes after %.1f s at the bound",
+                backlog.folder if backlog is not None else "the spool",
+                waiting / 2**30,
+                spell,
+            )
+        return full
+
+    def _bound_message(self, backlog: SpoolBacklog) -> str:
+        t = self.transport
+        then = (
+            f"producers wait for ring space (--dmi-on-full block), each up to --dmi-block-timeout "
+            f"{t.block_timeout:g} s, then its record is dropped and counted"
+            if t.on_full == "block"
+            else "records the ring cannot hold are dropped (--dmi-on-full drop), counted and their keys stored"
+        )
+        return (
+            f"DMI: the spool in {backlog.folder} holds {backlog.waiting_bytes / 2**30:.2f} GiB waiting for the "
+            f"store, at the --dmi-spool-max-gb bound ({backlog.max_bytes / 2**30:.2f} GiB; reached "
+            f"{self.bound_spells} time(s) so far): the store's "
+            f"ingest is not keeping up with capture; the drain stops taking records until it does, so "
+            f"capture now waits or drops: {then}"
+        )
+
     def _run(self) -> None:
         if self.native:
             return self._run_native()
         while True:
             urgent = self._stop.is_set() or not self._flush_requests.empty()
+            if not urgent:
+                self.holding = self._at_bound()
+                if self.holding:
+                    self._stop.wait(self.poll_seconds)  # a flush waits at most this long to be seen
+                    continue
             table = self.transport.take_table(self.batch_records, self.poll_seconds, 0 if urgent else self.linger_bytes)
             if table is not None:
                 self._write(table)
@@ -117,14 +180,14 @@ class Drain:
                 self._answer_flushes()
                 return
             if self._stop.is_set():
-                stats, closed = self.transport.stop_spool()
+                stats, closed = self.transport.stop_spool()  # writes everything, held or not
                 self._relay(stats, closed)
                 self.sink.flush()
                 if request is not None:
                     request.set()
                 return
             if request is not None:
-                if not self.transport.spool_flush(self.FLUSH_TIMEOUT):
+                if not self.transport.spool_flush(self.FLUSH_TIMEOUT):  # held or not
                     self.sink_errors.append(f"native spool flush did not finish within {self.FLUSH_TIMEOUT:.0f} s")
                 self._relay(*self.transport.spool_progress())
                 self.sink.flush()
@@ -132,6 +195,10 @@ class Drain:
                 self._answer_flushes()
             else:
                 self._relay(*self.transport.spool_progress())
+            held = self._at_bound()
+            if held != self.holding:
+                self.transport.spool_hold(held)
+                self.holding = held
 
     def _relay(self, stats: dict, closed: list) -> None:
         """Counters and closed segments to the sink (every PROGRESS_SECONDS), which reports the
@@ -164,3 +231,6 @@ class Drain:
             self._flush_requests.put(threading.Event())  # wake the thread now
         self._thread.join()
         self._answer_flushes()
+        if self._bound_since is not None:  # the spell ends with the drain
+            self._bound_seconds += time.monotonic() - self._bound_since
+            self._bound_since = None

@@ -304,7 +304,7 @@ class DMISession:
     # -- progress ---------------------------------------------------------------------------
     def status_line(self) -> str:
         """The log-interval line: records captured, dropped, waiting in the drain, persisted and not yet in the
-        store, rejected replays and, when any, time spent waiting for ring space."""
+        store, rejected replays and, when any, time spent waiting for ring space and at the spool bound."""
         t = self.transport.stats
         lag = self.sink.store_lag()
         waited = self.sink.store_lag_seconds() if hasattr(self.sink, "store_lag_seconds") else None
@@ -319,6 +319,7 @@ class DMISession:
             f" persisted: {self.drain.records_persisted} records | {store} |"
             f" replays rejected: {self.capture.stats.replays_rejected} |"
             + (f" waited for ring space: {t.blocked_seconds:.2f} s ({t.blocked} records) |" if t.blocked else "")
+            + self._bound_note(" {seconds:.1f} s at the spool bound ({spells}x) |")
             + (f" {self.replay.status} |" if self.replay is not None else "")
         )
 
@@ -400,6 +401,11 @@ class DMISession:
             f"next opened (`megatron-dmi show {c.store_dir}`)"
         )
 
+    def _bound_note(self, text: str) -> str:
+        """``text`` filled with the drain's time at the spool bound and its spells; empty if it never got there."""
+        d = self.drain
+        return text.format(seconds=d.bound_seconds, spells=d.bound_spells) if d.bound_spells else ""
+
     def _report_line(self, report: SinkReport) -> str:
         t = self.transport.stats
         return (
@@ -413,6 +419,10 @@ class DMISession:
                 " or see docs/troubleshooting.md"
                 if t.blocked
                 else ""
+            )
+            + self._bound_note(
+                ", {seconds:.1f} s at the --dmi-spool-max-gb bound ({spells} time(s)): the store's ingest "
+                "fell behind capture, see docs/reliability.md"
             )
             + (f", {self.replay.status}" if self.replay is not None else "")
             + (

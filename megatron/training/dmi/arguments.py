@@ -21,7 +21,7 @@ from dataclasses import Field, fields
 from megatron.training.argument_utils import ArgumentGroupFactory
 
 from megatron.core.dmi.catalog import ModelShape, UnsupportedUnderGraphsError, check_graph_support, record_bytes
-from megatron.core.dmi.config import CaptureWindowError, DMIConfig
+from megatron.core.dmi.config import CaptureWindowError, DMIConfig, SpoolBoundError
 from megatron.core.dmi.hooks import groups
 from megatron.core.dmi.hooks.groups.base import ModelFacts
 from megatron.core.dmi.store_address import PASSWORD_ENV, parse_store_run
@@ -128,6 +128,8 @@ def config_from_args(args: argparse.Namespace) -> DMIConfig:
         return DMIConfig(**values)
     except CaptureWindowError as exc:
         _fail("--dmi-end-iter", str(exc))
+    except SpoolBoundError as exc:
+        _fail("--dmi-spool-max-gb", str(exc))
 
 
 def _fail(flag: str, message: str) -> None:

@@ -53,6 +53,7 @@ def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingeste
             database=config.clickhouse_database,
             password=resolve_password(config.clickhouse_password),
             codec=config.store_codec,
+            spool_max_bytes=config.spool_max_bytes,
         )
     return EmbeddedSink(
         store_dir,
@@ -63,6 +64,7 @@ def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingeste
         ingest_threads=config.ingest_threads,
         ingest_nice=config.ingest_nice,
         codec=config.store_codec,
+        spool_max_bytes=config.spool_max_bytes,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import pyarrow as pa
 
@@ -32,6 +33,20 @@ class SinkReport:
     errors: list[str] = field(default_factory=list)
 
 
+class SpoolBacklog(NamedTuple):
+    """This rank's spool bytes waiting for the store (written, not yet ingested or replayed and
+    deleted), against their bound (``--dmi-spool-max-gb``)."""
+
+    waiting_bytes: int
+    max_bytes: int
+    folder: str
+
+    @property
+    def full(self) -> bool:
+        """At or past the bound: the drain stops taking records until the store catches up."""
+        return self.waiting_bytes >= self.max_bytes
+
+
 class Sink(ABC):
     """Where the drain hands batches of records to persist them (or the native spool writer, its target)."""
 
@@ -47,6 +62,11 @@ class Sink(ABC):
     def flush(self) -> None:
         """Make everything written so far durable."""
 
+    def spool_backlog(self) -> SpoolBacklog | None:
+        """What waits in this sink's spool for its store, when that is bounded; None: no bound.
+        The drain asks between batches, so it must be cheap (a stat per waiting segment at most)."""
+        return None
+
     def native_spool_target(self) -> dict | None:
         """Where the native spool writer should write this sink's tensor segments (the arguments
         of ``NativeRingTransport.start_spool``), or None when the sink needs the batches itself."""
@@ -58,7 +78,7 @@ class Sink(ABC):
 
     def native_progress(self, stats: dict, closed: list[tuple[str, int]]) -> None:
         """The native writer's counters (records, bytes, dropped_records, dropped_bytes, open_rows,
-        errors) and the segments it closed since the last call; the last call carries the final
+        open_bytes, errors) and the segments it closed since the last call; the last call carries the final
         counters, before ``close``."""
         raise UnsupportedOperationError(f"{type(self).__name__} does not take native spool segments")
 

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from megatron.core.dmi.errors import InvalidArgumentError, UnsupportedOperationError
 from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.records import table_nbytes
-from megatron.core.dmi.sinks.base import Sink
+from megatron.core.dmi.sinks.base import Sink, SpoolBacklog
 from megatron.core.dmi.sinks.meta import (
     DMISinkReport,
     RunInfo,
@@ -113,7 +113,8 @@ class _BufferedSink(DMISink):
     """Buffers batches into segments of ``segment_bytes``/``segment_records``, or whatever is
     buffered ``segment_seconds`` after its first batch (a timer: live readers see a step's records
     within seconds even when no further batch comes), and hands each to ``_emit_records``: inline
-    when ``writers`` is 1, else on one of ``writers`` threads."""
+    when ``writers`` is 1, else on one of ``writers`` threads. ``spool_max_bytes`` bounds the tensor
+    segments waiting in this rank's spool for a store (``spool_backlog``; None: no bound)."""
 
     def __init__(
         self,
@@ -125,6 +126,7 @@ class _BufferedSink(DMISink):
         segment_records: int = 8192,
         segment_seconds: float = 2.0,
         writers: int = 1,
+        spool_max_bytes: int | None = None,
     ):
         super().__init__(run_id, coords)
         self.spool_root = spool_root
@@ -133,6 +135,9 @@ class _BufferedSink(DMISink):
         self.segment_bytes = segment_bytes
         self.segment_records = segment_records
         self.segment_seconds = segment_seconds
+        if spool_max_bytes is not None and spool_max_bytes < 1:
+            raise InvalidArgumentError(f"spool_max_bytes must be >= 1 or None, not {spool_max_bytes}")
+        self.spool_max_bytes = spool_max_bytes
         self._buf: list[pa.Table] = []
         self._buf_rows = 0
         self._buf_bytes = 0
@@ -203,6 +208,16 @@ class _BufferedSink(DMISink):
         with self._buf_lock:
             native_open = (live or self._native).get("open_rows", 0)
             return self._buf_rows + sum(self._inflight.values()) + native_open
+
+    def spool_backlog(self) -> SpoolBacklog | None:
+        """The bytes of this rank's tensor segments on disk that no store has taken yet (closed
+        segments not yet ingested or replayed, and the native writer's open one) against
+        ``spool_max_bytes``; None without a bound."""
+        if self.spool_max_bytes is None:
+            return None
+        live = self._native_live() if self._native_live else None
+        open_bytes = (live or {}).get("open_bytes", 0)
+        return SpoolBacklog(self.spool.waiting().bytes + open_bytes, self.spool_max_bytes, self.spool.dir)
 
     def flush(self) -> None:
         """Write everything buffered, wait for the writers and make the spool durable (fsync)."""
@@ -617,6 +632,14 @@ class ServerSink(_BufferedSink):
 
     def _emit_meta(self, kind, table):
         self._put(kind, table)
+
+    def spool_backlog(self) -> SpoolBacklog | None:
+        """As every spool sink; first, when a retry is due, reconnect and replay: while the drain
+        holds at the bound no batch arrives to trigger one, and only a replay empties the spool."""
+        if self.spool_max_bytes is not None and not self._up and time.monotonic() >= self._next_retry:
+            with self._io_lock:
+                self._available()
+        return super().spool_backlog()
 
     def store_lag(self) -> int | None:
         """Buffered rows plus the rows spooled during outages and not replayed yet."""

@@ -18,6 +18,7 @@ import re
 import threading
 import time
 import uuid
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -60,6 +61,22 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class Waiting(NamedTuple):
+    """A writer's tensor segments still in the spool: their rows, how long the oldest has waited,
+    and their size on disk."""
+
+    rows: int
+    seconds: float
+    bytes: int
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:  # already ingested and deleted
+        return 0
+
+
 class SpoolWriter:
     """Writes one rank's segments. Thread-safe (the drain thread and the training thread share it)."""
 
@@ -72,7 +89,8 @@ class SpoolWriter:
         self._dir_ready = False
         self._seq = None
         self._unsynced: list[str] = []
-        self._tensor_rows: dict[str, tuple[int, float]] = {}  # tensor segments written -> rows, when (until ingested)
+        # tensor segments written -> rows, when, size on disk (until ingested and deleted)
+        self._tensor_rows: dict[str, tuple[int, float, int]] = {}
 
     def _prepare(self) -> None:
         if self._dir_ready:
@@ -113,8 +131,9 @@ class SpoolWriter:
 
     def adopt(self, path: str, rows: int) -> None:
         """Count a tensor segment another writer (the native one) put in this folder."""
+        size = _size(path)  # one stat per segment, when it closes
         with self._lock:
-            self._tensor_rows[path] = (rows, time.monotonic())
+            self._tensor_rows[path] = (rows, time.monotonic(), size)
 
     def write(self, kind: str, table: pa.Table, durable: bool = True) -> str:
         """Write ``table`` as one segment of ``kind``; returns the final path. Raises OSError (e.g.
@@ -159,6 +178,7 @@ class SpoolWriter:
             )
             if durable:
                 _fsync_path(tmp)
+            size = os.stat(tmp).st_size  # before the rename: an ingester may take it at once
             os.rename(tmp, final)
         except BaseException:
             try:
@@ -172,22 +192,23 @@ class SpoolWriter:
             if not durable:
                 self._unsynced.append(final)
             if kind == "tensors":
-                self._tensor_rows[final] = (table.num_rows, time.monotonic())
+                self._tensor_rows[final] = (table.num_rows, time.monotonic(), size)
         return final
 
-    def waiting(self) -> tuple[int, float]:
-        """Rows of the tensor segments this writer wrote that are still in the spool (not yet
-        ingested and deleted), and the seconds the oldest of them has waited. A stat per segment, no
-        file reads: it runs on the training thread."""
+    def waiting(self) -> Waiting:
+        """The tensor segments this writer wrote (or adopted) that are still in the spool (not yet
+        ingested and deleted): their rows, the seconds the oldest has waited, their bytes. A stat
+        per segment, no file reads: it runs on the training thread, and on the drain's at a bound."""
         with self._lock:
             paths = list(self._tensor_rows)
         gone = [p for p in paths if not os.path.exists(p)]
         with self._lock:
             for p in gone:
                 self._tensor_rows.pop(p, None)
-            rows = sum(n for n, _ in self._tensor_rows.values())
-            oldest = min((t for _, t in self._tensor_rows.values()), default=None)
-        return rows, 0.0 if oldest is None else time.monotonic() - oldest
+            rows = sum(n for n, _, _ in self._tensor_rows.values())
+            oldest = min((t for _, t, _ in self._tensor_rows.values()), default=None)
+            size = sum(b for _, _, b in self._tensor_rows.values())
+        return Waiting(rows, 0.0 if oldest is None else time.monotonic() - oldest, size)
 
     def sync(self) -> None:
         """Flush (fsync) every segment written with ``durable=False`` since the last call, then the folder
@@ -203,4 +224,4 @@ class SpoolWriter:
             _fsync_dir(self.dir)
 
 
-__all__ = ["SpoolWriter"]
+__all__ = ["SpoolWriter", "Waiting"]

@@ -368,6 +368,11 @@ class NativeRingTransport(Transport):
         in a closed, fsync'd segment."""
         return bool(self._spool.flush(float(timeout)))
 
+    def spool_hold(self, held: bool) -> None:
+        """Hold the native spool writer (it takes nothing from the ring, which fills and applies
+        ``on_full``) or release it. A flush or stop still writes everything published before it."""
+        self._spool.set_hold(bool(held))
+
     def spool_stats(self) -> dict | None:
         """The writer's live counters (None when it is not running); cheap, any thread."""
         spool = self._spool

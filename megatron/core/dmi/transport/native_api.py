@@ -23,6 +23,9 @@ class SpoolThread(Protocol):
     def stop(self) -> None:
         """Write everything published so far, close the last segment, end the thread."""
 
+    def set_hold(self, hold: bool) -> None:
+        """Held: take nothing from the ring unless a flush or stop waits (the spool bound)."""
+
     def take_closed(self) -> list[tuple[str, int]]:
         """Segments closed since the last call: (path, rows)."""
 

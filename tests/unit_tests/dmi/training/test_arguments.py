@@ -65,6 +65,9 @@ GIVEN = {
     "store_dir": ("/data/dmi", "/data/dmi"),
     "clickhouse_url": ("https://reader@db.example:8443", "https://reader@db.example:8443"),
     "clickhouse_database": ("runs_2", "runs_2"),
+    "store_codec": ("zstd1", "zstd1"),
+    "ingest_threads": ("2", 2),
+    "ingest_nice": ("5", 5),
     "interval": ("3", 3),
     "start_iter": ("2", 2),
     "end_iter": ("9", 9),
@@ -81,10 +84,12 @@ GIVEN = {
     "replay_routing": ("/data/dmi@run-1", "/data/dmi@run-1"),
     "replay_missing": ("live", "live"),
 }
+# Flags whose given value cannot go with GIVEN's (the spool bound needs the default --dmi-persist).
+GIVEN_ALONE = {"spool_max_gb": ("2.5", 2.5)}
 
 
 def test_every_flag_round_trips_into_the_config(monkeypatch):
-    assert set(GIVEN) == set(FLAG_FIELDS)
+    assert set(GIVEN) | set(GIVEN_ALONE) == set(FLAG_FIELDS)
     monkeypatch.setenv("DMI_CLICKHOUSE_PASSWORD", "from-env")
     argv = []
     for name, (text, _) in GIVEN.items():
@@ -102,6 +107,10 @@ def test_every_flag_round_trips_into_the_config(monkeypatch):
         assert getattr(config, name) == value, name
         assert type(getattr(config, name)) is type(value), name
     assert config.clickhouse_password == "from-env"
+    for name, (text, value) in GIVEN_ALONE.items():
+        ns = _parser().parse_args([_flag(name), text])
+        ns.save = None
+        assert getattr(config_from_args(ns), name) == value != getattr(defaults, name), name
 
 
 def test_defaults_give_the_default_config_with_the_store_under_save():
@@ -140,6 +149,8 @@ BAD = [
     ("--dmi-block-timeout", "1e9", "expected seconds above 0 and at most 604800 (a week), got '1e9'"),
     ("--dmi-block-timeout", "soon", "expected a number of seconds, got 'soon'"),
     ("--dmi-on-full", "wait", "invalid choice: 'wait' (choose from "),
+    ("--dmi-spool-max-gb", "0", "expected a size in GiB above 0, got '0'"),
+    ("--dmi-spool-max-gb", "a lot", "expected a size in GiB, got 'a lot'"),
     ("--dmi-persist", "s3", "invalid choice: 's3' (choose from "),
     ("--dmi-clickhouse-url", "ftp://h:1", "expected http(s)://host:port, got 'ftp://h:1'"),
     ("--dmi-clickhouse-url", "http://h:x", "bad port in 'http://h:x'"),
@@ -169,6 +180,16 @@ def test_an_end_before_the_start_stops_with_the_end_flag_named():
     with pytest.raises(SystemExit) as e:
         config_from_args(ns)
     assert str(e.value.code) == "error: argument --dmi-end-iter: 3 is before --dmi-start-iter 5"
+
+
+def test_a_spool_bound_without_a_store_stops_with_the_bound_flag_named():
+    ns = _parser().parse_args(["--dmi-persist", "spool", "--dmi-spool-max-gb", "4"])
+    with pytest.raises(SystemExit) as e:
+        config_from_args(ns)
+    assert str(e.value.code) == (
+        "error: argument --dmi-spool-max-gb: bounds the spool that a store takes away, and --dmi-persist spool "
+        "has none (a spool-only run keeps every segment by design)"
+    )
 
 
 def _megatron_args(*extra: str) -> argparse.Namespace:

@@ -30,7 +30,12 @@ def test_the_host_build_binds_every_member_its_protocols_name():
     from megatron.core.dmi.transport import native_api
 
     mod = jit.load_host()
-    for proto, native in ((native_api.HostModule, mod), (native_api.HostRing, mod.HostRing)):
+    protocols = (
+        (native_api.HostModule, mod),
+        (native_api.HostRing, mod.HostRing),
+        (native_api.SpoolThread, mod.SpoolThread),
+    )
+    for proto, native in protocols:
         names = {n for klass in proto.__mro__ if klass.__module__ == native_api.__name__ for n in vars(klass)}
         names |= {n for klass in proto.__mro__ for n in getattr(klass, "__annotations__", {})}
         missing = [n for n in names if not n.startswith("_") and not hasattr(native, n)]
