@@ -136,7 +136,7 @@ def test_an_ingester_killed_at_any_point_of_a_pass_loses_and_duplicates_nothing(
 
     if restart == "cli":
         rc, out = ingest_cli(store)
-        assert rc == 0 and "0 segment(s) left in the spool" in out and "!" not in out, out
+        assert rc == 0 and "0 segment(s) left in the spool" in out and "  ! " not in out, out
     else:
         got = run_isolated(IW.supervised_pass, store)
         assert got["owner"] and not got["result"]["errors"], got
