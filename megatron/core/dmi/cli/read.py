@@ -257,10 +257,11 @@ def cmd_load(args) -> int:
     try:
         store = open_store(target, database=args.database, writable=True)
     except StoreBusyError:
-        holder = live_ingester(resolve_store_dir(target)[0])
+        store_dir = resolve_store_dir(target)[0]
+        holder = live_ingester(store_dir)
         if holder is None:  # a `load` or another writable session: the lock's own message says who
             raise
-        return _load_beside_ingester(src, target, holder)
+        return _load_beside_ingester(src, target, store_dir, holder)
     with store:
         r = store.load(src, delete=args.delete, progress=sys.stderr.isatty())
     print(
@@ -275,14 +276,13 @@ def cmd_load(args) -> int:
     return 1 if r.errors else 0
 
 
-def _load_beside_ingester(spool_root: str, target: str, holder) -> int:
-    """``load`` into a store its ingester ``holder`` (an ``IngesterStatus``) holds: one line saying who loads
-    what; exit 0 for the store's own spool (the ingester loads it), 1 for any other."""
+def _load_beside_ingester(spool_root: str, target: str, store_dir: str, holder) -> int:
+    """``load`` into the store ``target`` (folder ``store_dir``) that its ingester ``holder`` (an
+    ``IngesterStatus``) holds: one line saying who loads what; exit 0 for the store's own spool (the ingester
+    loads it), 1 for any other."""
     import os
 
-    from megatron.core.dmi.reader import resolve_store_dir
-
-    if os.path.realpath(spool_root) == os.path.realpath(os.path.join(resolve_store_dir(target)[0], "spool")):
+    if os.path.realpath(spool_root) == os.path.realpath(os.path.join(store_dir, "spool")):
         print(f"nothing to do: the store's ingester (pid {holder.pid}) is loading {spool_root} into {target}")
         return 0
     print(
