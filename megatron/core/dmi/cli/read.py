@@ -242,7 +242,8 @@ def cmd_load(args) -> int:
     """``load``: load a spool directory's segments into a store; returns 1 if any failed."""
     import os
 
-    from megatron.core.dmi.reader import open_store
+    from megatron.core.dmi.reader import StoreBusyError, open_store, resolve_store_dir
+    from megatron.core.dmi.store.ingester import live_ingester
 
     src = args.source
     if os.path.isdir(os.path.join(src, "spool")):
@@ -253,7 +254,15 @@ def cmd_load(args) -> int:
     target = args.store_target
     if "://" not in target:
         os.makedirs(target, exist_ok=True)
-    with open_store(target, database=args.database, writable=True) as store:
+    try:
+        store = open_store(target, database=args.database, writable=True)
+    except StoreBusyError:
+        store_dir = resolve_store_dir(target)[0]
+        holder = live_ingester(store_dir)
+        if holder is None:  # a `load` or another writable session: the lock's own message says who
+            raise
+        return _load_beside_ingester(src, target, store_dir, holder)
+    with store:
         r = store.load(src, delete=args.delete, progress=sys.stderr.isatty())
     print(
         f"loaded {r.segments_loaded} segment(s): {r.records} record(s), {fmt_bytes(r.payload_bytes)} of payload; "
@@ -265,6 +274,23 @@ def cmd_load(args) -> int:
         print(f"  ! {e}")
     _report_unfinished(src, args.delete)
     return 1 if r.errors else 0
+
+
+def _load_beside_ingester(spool_root: str, target: str, store_dir: str, holder) -> int:
+    """``load`` into the store ``target`` (folder ``store_dir``) that its ingester ``holder`` (an
+    ``IngesterStatus``) holds: one line saying who loads what; exit 0 for the store's own spool (the ingester
+    loads it), 1 for any other."""
+    import os
+
+    if os.path.realpath(spool_root) == os.path.realpath(os.path.join(store_dir, "spool")):
+        print(f"nothing to do: the store's ingester (pid {holder.pid}) is loading {spool_root} into {target}")
+        return 0
+    print(
+        f"error: the store {target} is being ingested by pid {holder.pid}; run `megatron-dmi load` into it after "
+        "that process ends",
+        file=sys.stderr,
+    )
+    return 1
 
 
 def _report_unfinished(spool_root: str, delete: bool) -> None:

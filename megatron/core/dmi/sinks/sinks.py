@@ -42,7 +42,7 @@ from megatron.core.dmi.sinks.spool import SpoolWriter
 from megatron.core.dmi.store import schema as S
 from megatron.core.dmi.store.backend import BackendError, ServerBackend
 from megatron.core.dmi.store.ingest import IngestResult, ingest_spool, load_table
-from megatron.core.dmi.store.ingester import IngesterProcess, read_status
+from megatron.core.dmi.store.ingester import IngesterProcess, live_ingester, read_status
 
 log = logging.getLogger("megatron.core.dmi.sinks")
 
@@ -449,45 +449,72 @@ class EmbeddedSink(SpoolSink):
             self.report.store_complete_s = max(0.0, status.complete_at - close_began)
         self._settle_written()
 
-    def _store_view(self) -> tuple[dict, set[str], str]:
+    def _store_view(self, passed_after: float = 0.0) -> tuple[dict, set[str], str]:
         """What the store's ingester read back, per (run, attempt, spool rank), the ids of segments it
         verified but has not retired, and who that ingester is: ours, or the process that holds the store
-        (its status file)."""
-        if self.ingester.owner:
-            return self.ingester.result.verified, self.ingester.credited, "this run's ingester"
-        holder = read_status(self.store_dir)
-        if holder is None or not holder.owner:
-            return {}, set(), "no ingester (the store is held by another process)"
-        r = IngestResult.from_dict(holder.result)
-        return r.verified, set(holder.credited_waiting), f"the ingester holding the store (pid {holder.pid})"
+        (its status file). With ``passed_after`` (a ``time.time()``), first wait, while it runs and at most
+        60 s, for it to publish a pass that ended after then."""
+        deadline = time.monotonic() + 60
+        while True:
+            if self.ingester.owner:
+                status, running = self.ingester.status, self.ingester.alive()
+                view = self.ingester.result.verified, self.ingester.credited, "this run's ingester"
+            else:
+                status = read_status(self.store_dir)
+                running = live_ingester(self.store_dir) is not None
+                if status is None or not status.owner:
+                    return {}, set(), "no ingester (the store is held by another process)"
+                r = IngestResult.from_dict(status.result)
+                view = r.verified, set(status.credited_waiting), f"the ingester holding the store (pid {status.pid})"
+            if status is None or status.last_pass > passed_after or not running or time.monotonic() > deadline:
+                return view
+            time.sleep(0.05)
+
+    def _waiting_in_spool(self) -> list[tuple[str, int, int]]:
+        """(segment id, rows, bytes) of this rank's records of this attempt in each tensor segment left in its spool
+        folder (a corrupt one's were reported by the ingester; one that vanished meanwhile was loaded)."""
+        from megatron.core.dmi.store.segments import CorruptSegmentError, list_segments, peek_segment_id, verify_segment
+
+        out = []
+        for seg in list_segments(self.spool_root, ranks={self.coords.rank}):
+            if seg.kind != "tensors":
+                continue
+            try:
+                sid = peek_segment_id(seg)
+                t = verify_segment(seg).table
+            except (CorruptSegmentError, OSError):
+                continue
+            t = t.filter(
+                pc.and_(pc.equal(t.column("run_id"), self.run_id), pc.equal(t.column("attempt"), self.attempt))
+            )
+            out.append((sid, t.num_rows, table_nbytes(t)))
+        return out
 
     def _settle_written(self) -> None:
         """``written`` becomes what the store's ingester read back from the store for this rank's records
         of this attempt. Of the rest, what still lies readable in our spool folder is ``spooled``
         (a reader, ``load`` or ``megatron-dmi ingest`` picks it up); anything else (quarantined as corrupt,
         or a segment that vanished) is ``dropped``, with an error saying so."""
-        from megatron.core.dmi.store.segments import CorruptSegmentError, list_segments, peek_segment_id, verify_segment
-
-        verified, credited, who = self._store_view()
+        # The spool first, then what the ingester says: a segment it loads in between counts twice, which the
+        # limits below absorb; one it retired before the listing in a pass not yet published would count as
+        # lost, so a loss is only believed once a pass that ended after the listing is published.
         mine = (self.run_id, self.attempt, self.coords.rank)
-        left_rows = left_bytes = 0
-        for seg in list_segments(self.spool_root, ranks={self.coords.rank}):
-            if seg.kind != "tensors":
-                continue
-            try:
-                if peek_segment_id(seg) in credited:  # its records are in the store already
-                    continue
-                t = verify_segment(seg).table
-            except CorruptSegmentError:  # reported by the ingester already
-                continue
-            t = t.filter(
-                pc.and_(pc.equal(t.column("run_id"), self.run_id), pc.equal(t.column("attempt"), self.attempt))
-            )
-            left_rows += t.num_rows
-            left_bytes += table_nbytes(t)
+        listed_at = time.time()
+        waiting = self._waiting_in_spool()
+
+        def split(passed_after: float = 0.0) -> tuple[int, int, int, int, str]:
+            verified, credited, who = self._store_view(passed_after)
+            stored, stored_bytes = verified.get(mine, (0, 0))
+            left = [(n, b) for sid, n, b in waiting if sid not in credited]  # credited: in the store already
+            return stored, stored_bytes, sum(n for n, _ in left), sum(b for _, b in left), who
+
+        stored, stored_bytes, left_rows, left_bytes, who = split()
+        with self._buf_lock:
+            unaccounted = stored + left_rows < self.report.records_written
+        if unaccounted:
+            stored, stored_bytes, left_rows, left_bytes, who = split(passed_after=listed_at)
         with self._buf_lock:
             rep = self.report
-            stored, stored_bytes = verified.get(mine, (0, 0))
             stored, stored_bytes = min(stored, rep.records_written), min(stored_bytes, rep.bytes_written)
             left_rows = min(left_rows, rep.records_written - stored)
             lost = rep.records_written - stored - left_rows

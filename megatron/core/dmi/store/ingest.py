@@ -13,6 +13,8 @@ import hashlib
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +36,23 @@ from megatron.core.dmi.store.segments import Segment, list_segments, peek_segmen
 log = logging.getLogger("megatron.core.dmi.sinks")
 
 EXPERT_COUNTS_OUTPUT = "router.expert_counts"
+
+# Test-only (tests/fault_tests/test_ingester_process.py): ``DMI_TEST_CRASH_AT=<point>:<kind>`` kills the
+# process at that point of loading a batch of that spool kind, as ``kill -9`` would. Never set in real runs.
+TEST_CRASH_ENV = "DMI_TEST_CRASH_AT"
+TEST_CRASH_POINTS = ("during_insert", "mid_insert", "after_insert", "after_read_back", "after_record", "mid_retire")
+
+
+def _test_crash_point(point: str, kind: str) -> None:
+    """SIGKILL this process here when ``$DMI_TEST_CRASH_AT`` is ``<point>:<kind>`` (test-only; see
+    TEST_CRASH_ENV). ``during_insert`` kills from another thread 5 ms into the insert that follows (chDB
+    releases the GIL while it writes), so the kill lands inside chDB's write or, for a quick one, just after."""
+    if os.environ.get(TEST_CRASH_ENV) != f"{point}:{kind}":
+        return
+    if point == "during_insert":
+        threading.Timer(0.005, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    else:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def derive_expert_counts(tensors: pa.Table) -> pa.Table:
@@ -75,6 +94,7 @@ def load_table(backend: Backend, kind: str, table: pa.Table) -> list[tuple[str, 
     if kind == "tensors":
         ec = derive_expert_counts(table)
         if ec.num_rows:
+            _test_crash_point("mid_insert", kind)  # the records are in, their derived rows not
             backend.insert_arrow("expert_counts", ec)
             inserted.append(("expert_counts", ec))
     return inserted
@@ -389,6 +409,7 @@ class _IngestPass:
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         missing, derived_missing, refused = self.insert(kind, table)
         self.credit(kind, batch, missing)
+        _test_crash_point("after_read_back", kind)
         if refused is not None:
             self.res.segments_unverified += len(batch)
             landed = int((~missing).sum())
@@ -401,6 +422,7 @@ class _IngestPass:
         done = self.fully_stored(batch, missing, derived_missing)
         with self.timed("record"):
             if done and self.record_loaded(kind, done):
+                _test_crash_point("after_record", kind)
                 self.retire_loaded(kind, done)
 
     @contextmanager
@@ -418,7 +440,9 @@ class _IngestPass:
         refused = None
         try:
             with self.timed("insert"):
+                _test_crash_point("during_insert", kind)
                 loaded = load_table(self.backend, kind, table)
+            _test_crash_point("after_insert", kind)
         except Exception as exc:  # the store refused the batch (disk full, server error), but an insert can
             # fail after storing some or all of its rows (seen on a full disk): the read-back below decides
             refused = exc
@@ -511,6 +535,7 @@ class _IngestPass:
                 self.res.payload_bytes += int(pc.sum(p.table.column("nbytes")).as_py() or 0)
             if self.delete:
                 _retire(p.seg, keep=bool(p.problems))
+                _test_crash_point("mid_retire", kind)  # one segment of the batch deleted, the others not
 
 
 def _count_verified(res: IngestResult, table: pa.Table, rank: int) -> None:

@@ -100,6 +100,21 @@ def read_status(store_dir: str) -> IngesterStatus | None:
         return None
 
 
+def live_ingester(store_dir: str) -> IngesterStatus | None:
+    """The status of the ingester holding the store now: its last status says it owns the store and has not
+    ended, and its process runs on this host; None otherwise."""
+    s = read_status(store_dir)
+    if s is None or not s.owner or s.state == "done" or s.host != socket.gethostname():
+        return None
+    try:
+        os.kill(s.pid, 0)
+    except ProcessLookupError:  # killed: its status file outlived it
+        return None
+    except PermissionError:  # another user's process: it runs
+        pass
+    return s
+
+
 class _Control:
     """The ingester's control stream: lines ``wake``, ``sync <n>`` (a pass now, then a status that says
     ``synced: n``) and ``final``; the stream's end means final too."""
@@ -334,7 +349,8 @@ class IngesterProcess:
             str(self.nice),
         ]
         cmd += ["--codec", self.codec] if self.codec else []
-        cmd += ["--follow", "--control", "stdin"] if follow else []
+        # --control: status lines on stdout (a one-pass ingester's too: what it loads joins the report)
+        cmd += ["--control", "stdin"] + (["--follow"] if follow else [])
         try:
             # its own session: a terminal's Ctrl-C or a kill of the training's process group does not
             # cut an insert short; it learns of the end from its control stream
@@ -459,6 +475,7 @@ class IngesterProcess:
         """A pass now, and wait for it: every rank's sink is closed, so it loads all they spooled. From
         here on a dead ingester is not restarted; one pass in a fresh one stands in. Returns what this
         run's ingesters did."""
+        self._known_owner.wait(60)  # a run shorter than the ingester's start: let it say whether it stands down
         with self._lock:
             self._finishing = True
             standing_down = self._status is not None and not self._status.owner
@@ -489,6 +506,7 @@ class IngesterProcess:
     def finish(self) -> IngestResult:
         """Ask for the final pass and wait for the ingester to end (it closes the store); one pass in a
         fresh ingester if it is not running."""
+        self._known_owner.wait(60)
         with self._lock:
             self._finishing = True
             standing_down = self._status is not None and not self._status.owner
