@@ -250,7 +250,8 @@ def test_server_gone_after_startup_spools_reports_and_loads_exactly(tmp_path):
 def test_tensors_table_renamed_mid_run_spools_reports_and_loses_nothing(tmp_path):
     tmp = str(tmp_path)
     store = os.path.join(tmp, "store")
-    rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-store-dir", store], fault="rename_tensors", at=3)
+    flag = {"DMI_TEST_RENAME_TENSORS": os.path.join(tmp, "rename.flag")}  # the ingester process renames it
+    rc, out = train(tmp, ["--dmi-hooks", "router", "--dmi-store-dir", store], fault="rename_tensors", at=3, env=flag)
     assert rc == 0, out[-4000:]
     assert f"tensors table held {2 * PER_ITER} records" in out  # before the fault: iterations 1-2 stored
     assert "spool segment(s)" in out and "failed: " in out and "they stay in the spool" in out  # said when it happens

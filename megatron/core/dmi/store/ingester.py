@@ -44,6 +44,7 @@ log = logging.getLogger("megatron.core.dmi.sinks")
 STATUS_FILE = "ingester.json"  # in the store folder, beside chdb/ and spool/
 EXIT_STANDING_DOWN = 3  # another process holds the store
 MAX_RESTARTS = 3  # an ingester that keeps dying is left dead; the spool keeps the records
+TEST_RENAME_ENV = "DMI_TEST_RENAME_TENSORS"  # test-only: see _Service._test_rename_tensors
 SYNC_WORD = re.compile(r"sync (\d+)")
 
 
@@ -169,8 +170,10 @@ class _Service:
         self.result = IngestResult()
         self.status = IngesterStatus(os.getpid(), socket.gethostname(), "ingesting", True, time.time())
         self.paused = False
+        self.renamed = False  # the test-only rename fault fired
 
     def run_pass(self) -> None:
+        self._test_rename_tensors()
         try:
             r = ingest_spool(self.backend, self.spool_root, delete=True, known=self.known, credited=self.credited)
         except Exception as e:  # last resort: one failed pass must not end the ingester; the next retries
@@ -192,6 +195,19 @@ class _Service:
         s.oldest_waiting = min((_mtime(seg.path) for seg in left), default=0.0)
         s.result = self.result.to_dict()
         s.credited_waiting = sorted(self.credited)
+
+    def _test_rename_tensors(self) -> None:
+        """Test-only (tests/fault_tests/test_faults.py): once the file ``$DMI_TEST_RENAME_TENSORS`` names
+        exists, rename the tensors table away, as someone working on the store by hand might: the
+        inserts after it fail. Never set in real runs."""
+        flag = os.environ.get(TEST_RENAME_ENV)
+        if not flag or self.renamed or not os.path.exists(flag):
+            return
+        self.renamed = True
+        db = self.backend.database
+        n = self.backend.query_arrow(f"SELECT count() AS n FROM {db}.tensors").column("n")[0].as_py()
+        self.backend.command(f"RENAME TABLE {db}.tensors TO {db}.tensors_moved")
+        print(f"FAULT: tensors table held {n} records; renamed it to {db}.tensors_moved", file=sys.stderr, flush=True)
 
     def publish(self, out) -> None:
         line = self.status.to_json()
@@ -471,13 +487,13 @@ class IngesterProcess:
         except (BlockingIOError, BrokenPipeError, OSError, ValueError):  # full pipe: a pass is due anyway
             pass
 
-    def sync(self) -> IngestResult:
-        """A pass now, and wait for it: every rank's sink is closed, so it loads all they spooled. From
-        here on a dead ingester is not restarted; one pass in a fresh one stands in. Returns what this
-        run's ingesters did."""
+    def sync(self, closing: bool = True) -> IngestResult:
+        """A pass now, and wait for it. ``closing``: every rank's sink is closed, so it loads all they
+        spooled, and from here on a dead ingester is not restarted (one pass in a fresh one stands in).
+        Returns what this run's ingesters did."""
         self._known_owner.wait(60)  # a run shorter than the ingester's start: let it say whether it stands down
         with self._lock:
-            self._finishing = True
+            self._finishing = self._finishing or closing
             standing_down = self._status is not None and not self._status.owner
             self._sync += 1
             ticket = self._sync
