@@ -97,3 +97,11 @@ def test_record_tp2_sp_replay_tp1(tmp_path_factory):
     replayed = _ids(_train(tmp_path_factory, "tp2-sp-to-tp1", ["--dmi-replay-routing", source["store"]]))
     assert replayed.keys() == _ids(source).keys() and len(replayed) == LAYERS * ITERS * 2
     assert all(torch.equal(replayed[k], _ids(source)[k]) for k in replayed)
+
+
+def test_record_pp2_replay_tp1(tmp_path_factory):
+    """A run recorded on two pipeline stages (each stage stored its own layer) replays on one process."""
+    source = _train(tmp_path_factory, "pp2", ["--pipeline-model-parallel-size", "2"], nproc=2)
+    replayed = _ids(_train(tmp_path_factory, "pp2-to-tp1", ["--dmi-replay-routing", source["store"]]))
+    assert replayed.keys() == _ids(source).keys() and len(replayed) == LAYERS * ITERS * 2
+    assert all(torch.equal(replayed[k], _ids(source)[k]) for k in replayed)
