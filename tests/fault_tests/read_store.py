@@ -43,7 +43,7 @@ def read(store_dir: str, extra_tables: list[str]) -> dict:
         for run_id in runs["run_id"]:
             d = s.describe(run_id)
             rows = s.sql(
-                f"SELECT attempt, phase, iteration, microbatch, layer, output, rank FROM {s.t('tensors')} FINAL "
+                f"SELECT attempt, phase, iteration, microbatch, layer, output, rank, dp FROM {s.t('tensors')} FINAL "
                 "WHERE run_id = {r:String}",
                 {"r": run_id},
             ).to_pylist()
@@ -51,13 +51,14 @@ def read(store_dir: str, extra_tables: list[str]) -> dict:
             vis = s.visible_attempts(run_id)
             visible = [r for r in rows if vis.get((r["phase"], r["iteration"])) == r["attempt"]]
             keys = collections.Counter(
-                (r["phase"], r["iteration"], r["microbatch"], r["layer"], r["output"], r["rank"]) for r in visible
+                (r["phase"], r["iteration"], r["microbatch"], r["layer"], r["output"], r["rank"], r["dp"])
+                for r in visible
             )
             per_iter = collections.Counter(r["iteration"] for r in visible)
-            # every visible tensor rebuilds
+            # every visible tensor rebuilds (per data-parallel rank: a signal can stop the ranks in different steps)
             rebuilt = 0
-            for phase, it, mb, layer, output, _rank in keys:
-                s.tensor(run_id, output, it, mb, layer, phase=phase)
+            for phase, it, mb, layer, output, _rank, dp in keys:
+                s.tensor(run_id, output, it, mb, layer, phase=phase, dp=dp)
                 rebuilt += 1
             reps = s.reports(run_id)
             cfg = s.sql(

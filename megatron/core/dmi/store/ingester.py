@@ -72,6 +72,7 @@ class IngesterStatus:
     owner: bool
     started: float  # wall clock (time.time())
     holder: str = ""  # standing down: who holds the store
+    error: str = ""  # state "failed": why the store could not be opened
     passes: int = 0
     last_pass: float = 0.0
     waiting_segments: int = 0  # spool segments left after the last pass
@@ -277,6 +278,13 @@ def serve(
             out.write(standing.to_json() + "\n")
             out.flush()
         return EXIT_STANDING_DOWN
+    except Exception as e:  # last resort (e.g. a full disk at schema creation): say why, for the report
+        failed = IngesterStatus(os.getpid(), socket.gethostname(), "failed", False, time.time())
+        failed.error = f"cannot open the store {store_dir}: {type(e).__name__}: {e}"
+        if out is not None:
+            out.write(failed.to_json() + "\n")
+            out.flush()
+        raise
     parent = os.getppid()
     ctl = _Control(control)
     sync = 0
@@ -407,6 +415,8 @@ class IngesterProcess:
         if rc == EXIT_STANDING_DOWN or (finishing and rc == 0):
             return
         what = f"died (exit status {rc})" if rc else "ended"
+        if status is not None and status.error:
+            what += f": {status.error[:500]}"
         if finishing:
             log.error("DMI: the ingester process (pid %d) %s during its final pass", proc.pid, what)
             self._note(f"the ingester process {what} during its final pass; what it did not load waits in the spool")
@@ -494,7 +504,7 @@ class IngesterProcess:
         self._known_owner.wait(60)  # a run shorter than the ingester's start: let it say whether it stands down
         with self._lock:
             self._finishing = self._finishing or closing
-            standing_down = self._status is not None and not self._status.owner
+            standing_down = self._status is not None and self._status.state == "standing down"
             self._sync += 1
             ticket = self._sync
         if standing_down:
@@ -525,7 +535,7 @@ class IngesterProcess:
         self._known_owner.wait(60)
         with self._lock:
             self._finishing = True
-            standing_down = self._status is not None and not self._status.owner
+            standing_down = self._status is not None and self._status.state == "standing down"
         if standing_down:
             return self.result
         if self.alive():
