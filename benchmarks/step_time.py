@@ -66,7 +66,7 @@ def read(path: str) -> str:
 def analyse(d: str, skip: int) -> dict:
     logs = {
         name: read(os.path.join(d, name + ".log"))
-        for name in ("off", "off2", "alt_router", "alt_attn", "spool", "clickhouse")
+        for name in ("off", "off2", "alt_router", "alt_attn", "router", "spool", "clickhouse")
     }
     times = {name: step_times(log) for name, log in logs.items()}
     out: dict = {"device": read(os.path.join(d, "gpu.txt")).strip(), "skipped_warmup_iterations": skip}
@@ -80,7 +80,7 @@ def analyse(d: str, skip: int) -> dict:
     out["separate_runs_vs_off_pct"] = {
         name: 100.0 * (ms / off - 1.0) for name, ms in out["median_step_ms"].items() if ms and off and name != "off"
     }
-    for name in ("spool", "clickhouse"):
+    for name in ("router", "spool", "clickhouse"):
         m = _REPORT.search(logs[name])
         lags = _LAG.findall(logs[name])
         if m:

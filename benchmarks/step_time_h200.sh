@@ -8,6 +8,7 @@
 #                in-process A/A pair)
 #   alt_router   --dmi-hooks router --dmi-interval 2: odd iterations captured, even ones not
 #   alt_attn     --dmi-hooks router,attn --dmi-interval 2
+#   router       --dmi-hooks router --dmi-persist spool, every iteration (issue 30's user number)
 #   spool        --dmi-hooks router,attn --dmi-persist spool, every iteration
 #   clickhouse   --dmi-hooks router,attn --dmi-persist clickhouse (embedded chDB, the node's ingester
 #                process), every iteration: the user's command
@@ -42,11 +43,12 @@ for run in $RUNS; do
     off|off2) train $run ;;
     alt_router) train alt_router --dmi-hooks router --dmi-interval 2 --dmi-persist spool "${DMI[@]}" $W/alt_router ;;
     alt_attn) train alt_attn --dmi-hooks router,attn --dmi-interval 2 --dmi-persist spool "${DMI[@]}" $W/alt_attn ;;
+    router) train router --dmi-hooks router --dmi-persist spool "${DMI[@]}" $W/router ;;
     spool) train spool --dmi-hooks router,attn --dmi-persist spool "${DMI[@]}" $W/spool ;;
     clickhouse) train clickhouse --dmi-hooks router,attn --dmi-persist clickhouse "${DMI[@]}" $W/clickhouse ;;
   esac
 done
-rm -rf $W/alt_router $W/alt_attn
+rm -rf $W/alt_router $W/alt_attn $W/router
 if [ -d $W/spool ]; then  # ingest speed: the spool run's segments loaded into a fresh store
   du -sb $W/spool/spool | tee $OUT/spool_bytes.txt
   t0=$EPOCHREALTIME; python3 -m megatron_dmi load $W/spool/spool --store $W/loaded > $OUT/load.log 2>&1; rc=$?
