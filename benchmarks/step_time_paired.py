@@ -100,12 +100,17 @@ def pct(first: float, second: float) -> float:
     return 100.0 * (first - second) / second
 
 
-def run_arm(stepper: Stepper, a, rng: random.Random) -> tuple[list[float], list[float], list[float]]:
-    """``a.pairs`` rounds of one arm pair and one A/A pair in random order; (arm diffs, A/A diffs, off-step seconds)."""
+def run_arm(stepper: Stepper, a, rng: random.Random, seconds: float) -> tuple[list[float], list[float], list[float]]:
+    """``a.pairs`` rounds of one arm pair and one A/A pair in random order, or as many as ``seconds``
+    allow; (arm diffs, A/A diffs, off-step seconds)."""
     for _ in range(a.warmup):
         stepper.step(rng.random() < 0.5)
     arm, aa, off = [], [], []
+    deadline = time.perf_counter() + seconds
     for _ in range(a.pairs):
+        if time.perf_counter() > deadline:
+            print(f"time budget reached after {len(arm)} rounds", flush=True)
+            break
         for kind in rng.sample(("arm", "aa"), 2):
             if kind == "arm":
                 if rng.random() < 0.5:
@@ -129,6 +134,9 @@ def main() -> None:
     add_model_args(p)
     p.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--max-seconds", type=float, default=float("inf"), help="stop each arm's rounds after its share of this time"
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args()
     if a.pairs < 2:
@@ -150,7 +158,7 @@ def main() -> None:
         for name, hooks in ARMS.items():
             stepper = Stepper(a, device, hooks, store)
             try:
-                arm, aa, off = run_arm(stepper, a, rng)
+                arm, aa, off = run_arm(stepper, a, rng, a.max_seconds / len(ARMS))
             finally:
                 stepper.close()
             out[name] = dict(
