@@ -13,7 +13,9 @@ For every case workdir in the archive (``<name>`` with DMI, ``<name>_off`` its D
   probabilities; the expert counts after drops equal the routing map's column sums;
 * CUDA-graph cases: the stored tensors against the eager case of the same model (``EAGER_TWIN``):
   which are bitwise equal, and the largest difference of the others;
-* replay cases: the run says that no router forward fell back to live routing;
+* replay cases: the run says that no router forward fell back to live routing, and its stored
+  ``router.topk_ids`` hold the recording run's expert sets, token for token, both read from their
+  spools without chDB (``reader/spool.py``, as the replaying run read its source on the GPU);
 * analyses: routing concentration, routing predictability, loss against routing and gradient
   norms, read from the store of every case that captured their inputs (the three routing ones must
   answer on a CUDA-graph case that captured the router).
@@ -106,6 +108,28 @@ def _analyses_findings(store_dir: str) -> dict:
     return found
 
 
+def _replay_findings(work: str) -> dict:
+    """The replaying run's expert sets against the recording run's (``source_store``), each read from its
+    spool-only store by the chDB-free spool reader."""
+    from megatron.core.dmi.reader.errors import StoreError
+    from megatron.core.dmi.reader.routing_diff import read_expert_sets, routing_diff
+
+    try:
+        source_run, source = read_expert_sets(os.path.join(work, "source_store"))
+        replay_run, replayed = read_expert_sets(os.path.join(work, "dmi_store"))
+        diff = routing_diff(source, replayed)
+    except StoreError as exc:
+        return {"error": str(exc)}
+    return {
+        "source_run": source_run,
+        "replay_run": replay_run,
+        "same_tensors": sorted(source) == sorted(replayed),
+        "tensors": len(replayed),
+        "tokens": int(diff["tokens"].sum()),
+        "differing": int(diff["differing"].sum()),
+    }
+
+
 def _twin_findings(dump: dict, eager: dict) -> dict:
     equal, differ, max_diff = 0, [], 0.0
     for key, t in dump["tensors"].items():
@@ -152,6 +176,10 @@ def check(root: str, name: str, record_golden: bool, dumps: dict) -> dict:
         found["replay_microbatches_fallbacks"] = replayed
         if not replayed or any(f or not m for m, f in replayed):
             problems.append(f"routing replay fell back to live routing (or replayed nothing): {replayed}")
+        found["replay_routing"] = _replay_findings(work)
+        same = found["replay_routing"]
+        if "error" in same or not same["same_tensors"] or not same["tensors"] or same["differing"]:
+            problems.append(f"the replaying run's expert sets differ from the recording run's: {same}")
     args = runner.model_args(runner.load_case(case), platform, {"DMI_STORE": "-"})
     counts = {k: n for k, n in result["summary"]["dmi_record_counts"].items() if k.startswith("train/")}
     found["record_counts"] = counts  # the analytic count covers training steps; evaluation is in the goldens

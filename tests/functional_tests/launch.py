@@ -32,10 +32,18 @@ def tiny_moe_args() -> list[str]:
 
 
 def run_pretrain(
-    args: list[str], tmp: str, nproc: int = 1, oracle: bool = True, timeout: int = 600, check: bool = True
+    args: list[str],
+    tmp: str,
+    nproc: int = 1,
+    oracle: bool = True,
+    timeout: int = 600,
+    check: bool = True,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
+    """pretrain_gpt.py (under the oracle launcher with ``oracle``) with ``args`` in CPU mode, in ``tmp``; ``env``:
+    variables added to this process's environment."""
     script = os.path.join(HERE, "oracle_launch.py") if oracle else os.path.join(REPO, "pretrain_gpt.py")
-    env = dict(os.environ, DMI_ORACLE_OUT=os.path.join(tmp, "oracle"), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, DMI_ORACLE_OUT=os.path.join(tmp, "oracle"), PYTHONUNBUFFERED="1", **(env or {}))
     if nproc == 1:
         cmd = [sys.executable, script]
     else:

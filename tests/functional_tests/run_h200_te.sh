@@ -8,6 +8,8 @@
 # graph capture) and a DMI-off twin of each, several at a time (tiny models: the GPU has room), plus
 # the extra h200 cases in $FT_H200_CASES (with the oracle and a twin too where they can; FT_TE=0 runs
 # only those; FT_TE_CASES="<case dirs>" runs those TE cases instead of all), then clocks DMI's host time per firing (host_cost.py).
+# Nothing here needs chDB: every DMI run spools (--dmi-persist spool), and a replay case (no DMI-off twin:
+# it trains under another run's routing) reads its recording run's spool directly (reader/spool.py).
 # Everything is packed into $OUT/ft_h200_te.tgz.part_*; here, with chDB, unpack
 # (cat ft_h200_te.tgz.part_* | tar xz -C /tmp), then check and record with
 #   python -m tests.functional_tests.check_h200_te /tmp/ft_h200_te [--record-golden]

@@ -51,6 +51,9 @@ def test_every_single_gpu_h200_case_is_covered():
 
 TE_CASES = [c for c in all_cases() if "h200_te" in (load_case(c).get("PLATFORMS") or [])]
 TE_RECORDED = [c for c in TE_CASES if os.path.exists(golden_path(c, "h200_te"))]
+# Transformer Engine cases added since the last GPU run: the next run_h200_te.sh records them
+# (check_h200_te.py --record-golden), and then they leave this set.
+TE_AWAITING_GPU = {"te_routing_replay"}
 
 
 @pytest.mark.parametrize("case", TE_RECORDED, ids=os.path.basename)
@@ -71,8 +74,11 @@ def test_te_goldens_hold_the_analytic_counts(case):
 
 def test_every_te_case_is_recorded():
     """Every Transformer Engine case ran on a lent Hopper GPU and has goldens (2026-12-05; the CUDA-graph
-    cases since they train in bf16: docs/capabilities.md)."""
-    assert TE_RECORDED == TE_CASES and {os.path.basename(c) for c in TE_CASES} >= {
+    cases since they train in bf16: docs/capabilities.md), but those awaiting their first GPU run, which have
+    none yet."""
+    awaiting = [c for c in TE_CASES if os.path.basename(c) in TE_AWAITING_GPU]
+    assert len(awaiting) == len(TE_AWAITING_GPU) and not set(awaiting) & set(TE_RECORDED)
+    assert TE_RECORDED == [c for c in TE_CASES if c not in awaiting] and {os.path.basename(c) for c in TE_CASES} >= {
         "te_router_attn",
         "te_qk",
         "te_selective_recompute",

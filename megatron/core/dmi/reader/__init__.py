@@ -6,7 +6,9 @@ questions (expert load, dropped tokens, router entropy, attention patterns).
         print(store.runs())
         logits = store.tensor(run_id, "router.logits", iteration=10, layer=3)
 
-Names are imported on first use: reading a store needs pyarrow, pandas and chDB, not torch. The
+Names are imported on first use: reading a store needs pyarrow, pandas and chDB, not torch;
+``open_spool_run`` reads a spool-only store (``--dmi-persist spool``) from its segments with
+neither pandas nor chDB (``reader/spool.py``). The
 tensor rebuild itself is ``megatron.core.dmi.reader.reconstruct.reconstruct``: a lazy name equal to
 a submodule's would be replaced by the submodule as soon as anything imports it.
 """
@@ -18,6 +20,7 @@ _MODULE_OF = {
     "Store": "store",
     "RunDescription": "store",
     "resolve_store_dir": "store",
+    "open_spool_run": "spool",
     "StoreError": "errors",
     "NotAStoreError": "errors",
     "DiskFullError": "errors",

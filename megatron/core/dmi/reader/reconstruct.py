@@ -27,17 +27,19 @@ from __future__ import annotations
 
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megatron.core.dmi import catalog
+from megatron.core.dmi.key import RecordKey
 from megatron.core.dmi.reader.errors import ReconstructionError, format_ranges
 from megatron.core.dmi.records import Record, array_to_tensor, payload_to_array
 
 if TYPE_CHECKING:
+    import pyarrow as pa
     import torch
 
 
@@ -57,6 +59,34 @@ class Rebuilt:
     def torch(self) -> torch.Tensor:
         """The tensor in torch, of the stored dtype (bitwise the stored values)."""
         return array_to_tensor(self.values, self.dtype)
+
+
+def records_from_table(table: pa.Table) -> list[Record]:
+    """The records of a tensor table (``TENSOR_SCHEMA``'s columns), each payload checked against its crc32;
+    ReconstructionError names the first that fails (a corrupted store)."""
+    out = []
+    for row in table.to_pylist():
+        payload = bytes(row.pop("payload"))
+        checksum = row.pop("checksum")
+        row.pop("nbytes")
+        key = RecordKey.from_flat(row)
+        if zlib.crc32(payload) != checksum:
+            raise ReconstructionError(
+                f"{key.output} iteration {key.iteration} layer {key.layer} rank {key.coords.rank}: payload fails its "
+                f"crc32 checksum (corrupted store)"
+            )
+        out.append(Record(key, payload))
+    return out
+
+
+def expected_ranks(topology: Iterable[Mapping], key: RecordKey) -> dict[int, list[int]] | None:
+    """Shard index -> the ranks whose ``topology`` row (one per rank of ``key``'s attempt) holds ``key``'s layer at
+    its data-parallel rank, by tensor-parallel rank: ``rebuild``'s ``expected_ranks`` (None without topology)."""
+    out: dict[int, list[int]] = defaultdict(list)
+    for row in topology:
+        if key.layer in {int(x) for x in row["layers"]} and int(row["dp"]) == key.coords.dp:
+            out[int(row["tp"])].append(int(row["rank"]))
+    return dict(out) or None
 
 
 def _values(record: Record) -> np.ndarray:
@@ -198,6 +228,19 @@ def rebuild(
         pieces.append(ts[0])
     values = pieces[0].copy() if len(pieces) == 1 else np.concatenate(pieces, axis=0)
     return Rebuilt("float64" if combine == "log_softmax" else dtype, values)
+
+
+def rebuild_each(records: Iterable[Record], output: str, what: str) -> dict[tuple[int, int, int, int], Rebuilt]:
+    """Every tensor ``records`` hold (one output, phase and invocation of one attempt per iteration), rebuilt, by
+    (iteration, microbatch, layer, data-parallel rank); ``what`` (output, run, phase) starts each one's name in
+    errors."""
+    groups: dict[tuple[int, int, int, int], list[Record]] = defaultdict(list)
+    for r in records:
+        groups[(r.key.iteration, r.key.microbatch, r.key.layer, r.key.coords.dp)].append(r)
+    return {
+        key: rebuild(recs, output, what=f"{what} iteration {key[0]} microbatch {key[1]} layer {key[2]} dp {key[3]}")
+        for key, recs in sorted(groups.items())
+    }
 
 
 def _sum(parts: list[np.ndarray], dtype: str) -> np.ndarray:

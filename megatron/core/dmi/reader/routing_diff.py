@@ -4,7 +4,8 @@ expert set differs (the R3 paper's routing-mismatch figure; for a replaying run 
     megatron-dmi routing-diff STORE_A[@RUN] STORE_B[@RUN]
 
 Each run's ``router.topk_ids`` is read in its own subprocess (``expert_sets_of``): chDB holds one
-store per process, and the two runs may sit in different stores. A token's expert set is its
+store per process, and the two runs may sit in different stores. A spool-only store
+(``--dmi-persist spool``) is read from its segments, without chDB (``reader/spool.py``). A token's expert set is its
 top-k ids as a set (slot order ignored; a capacity-dropped slot counts as the sentinel E).
 """
 
@@ -24,6 +25,7 @@ from megatron.core.dmi.store_address import parse_store_run
 if TYPE_CHECKING:
     import pandas as pd
 
+    from megatron.core.dmi.reader.reconstruct import Rebuilt
     from megatron.core.dmi.reader.store import Store
 
 OUTPUT = "router.topk_ids"
@@ -31,9 +33,14 @@ OUTPUT = "router.topk_ids"
 ExpertSets = dict[tuple[int, int, int, int], np.ndarray]
 
 
+def sorted_sets(tensors: dict[tuple[int, int, int, int], Rebuilt]) -> ExpertSets:
+    """Rebuilt ``router.topk_ids`` tensors with each token's ids sorted."""
+    return {key: np.sort(ids.values, axis=1) for key, ids in tensors.items()}
+
+
 def expert_sets(store: Store, run_id: str, phase: str = "train") -> ExpertSets:
     """Every visible ``router.topk_ids`` tensor of ``run_id`` in ``phase``, each token's ids sorted."""
-    return {key: np.sort(ids.values, axis=1) for key, ids in store.rebuild_each(run_id, OUTPUT, phase).items()}
+    return sorted_sets(store.rebuild_each(run_id, OUTPUT, phase))
 
 
 # The subprocess's program. ``-m megatron.core.dmi.reader.routing_diff`` would first run megatron-core's package
@@ -91,12 +98,19 @@ def expert_sets_of(spec: str, phase: str = "train") -> tuple[str, ExpertSets]:
 
 
 def read_expert_sets(spec: str, phase: str = "train") -> tuple[str, ExpertSets]:
-    """``expert_sets_of`` read in this process (which then holds that store's chDB session until it ends); a
-    StoreError names ``spec``."""
-    from megatron.core.dmi.reader.store import open_store
+    """``expert_sets_of`` read in this process: a spool-only store straight from its segments, without chDB
+    (``reader/spool.py``), any other through chDB (the process then holds that store's chDB session until it
+    ends); a StoreError names ``spec``."""
+    from megatron.core.dmi.reader.spool import open_spool_run, spool_only
 
     store_path, run = parse_store_run(spec)
     try:
+        if spool_only(store_path):
+            spool = open_spool_run(store_path, run)
+            records = spool.read_records(output=[OUTPUT], phase=[phase], invocation=[0])
+            return spool.run_id, sorted_sets(records.rebuild_each(OUTPUT, phase))
+        from megatron.core.dmi.reader.store import open_store
+
         with open_store(store_path) as store:
             run_id = store.resolve_run(run)
             return run_id, expert_sets(store, run_id, phase)

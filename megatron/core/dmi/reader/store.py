@@ -15,12 +15,10 @@ superseded (DESIGN section 7).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 import warnings
-import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,7 +29,7 @@ import pandas as pd
 import pyarrow as pa
 
 from megatron.core.dmi import catalog
-from megatron.core.dmi.key import RecordKey
+from megatron.core.dmi.reader.attempts import json_field, pick_run, visible_attempt, visible_attempts
 from megatron.core.dmi.reader.errors import (
     AmbiguousLayerError,
     DiskFullError,
@@ -40,7 +38,14 @@ from megatron.core.dmi.reader.errors import (
     StoreError,
     format_ranges,
 )
-from megatron.core.dmi.reader.reconstruct import Rebuilt, rebuild, rebuild_expert_rows
+from megatron.core.dmi.reader.reconstruct import (
+    Rebuilt,
+    expected_ranks,
+    rebuild,
+    rebuild_each,
+    rebuild_expert_rows,
+    records_from_table,
+)
 from megatron.core.dmi.reader.snapshot import ReaderSnapshot, SnapshotStats, link_spool, link_store, out_of_space
 from megatron.core.dmi.records import TENSOR_SCHEMA, Record
 from megatron.core.dmi.store import schema as S
@@ -146,13 +151,6 @@ def token_entropy(logits: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore"):
         terms = np.where(p == 0, np.float32(0), -p * np.log(p))
     return terms.sum(axis=-1)
-
-
-def _json_or_empty(text: str | None) -> dict:
-    try:
-        return json.loads(text) if text else {}
-    except ValueError:  # a damaged row must not stop describe
-        return {}
 
 
 def resolve_store_dir(path: str) -> tuple[str, str]:
@@ -413,14 +411,7 @@ class Store:
 
     def resolve_run(self, run_id: str | None) -> str:
         """``run_id`` itself, or the latest run when None."""
-        runs = self.runs()
-        if runs.empty:
-            raise StoreError(f"the store at {self.location} holds no runs")
-        if run_id is None:
-            return str(runs["run_id"].iloc[-1])
-        if run_id not in set(runs["run_id"]):
-            raise StoreError(f"no run {run_id!r} in {self.location} (runs: {', '.join(map(str, runs['run_id']))})")
-        return run_id
+        return pick_run(list(self.runs()["run_id"]), run_id, self.location)
 
     def attempts(self, run_id: str) -> pd.DataFrame:
         """One row per attempt of ``run_id``: where it resumed from, start time, world size, the JSON of its config,
@@ -443,15 +434,7 @@ class Store:
         ).to_pylist()
         att = self.attempts(run_id)
         resumed = {int(a): int(r) for a, r in zip(att["attempt"], att["resumed_from_iteration"])}
-        cutoff: dict[int, float] = {}
-        for a in {p["attempt"] for p in present} | set(resumed):
-            later = [r for b, r in resumed.items() if b > a and r >= 0]
-            cutoff[a] = min(later) if later else math.inf
-        vis: dict[tuple[str, int], int] = {}
-        for p in present:
-            k, a = (p["phase"], int(p["iteration"])), int(p["attempt"])
-            if k[1] <= cutoff[a] and a > vis.get(k, -1):
-                vis[k] = a
+        vis = visible_attempts(((p["phase"], int(p["iteration"]), int(p["attempt"])) for p in present), resumed)
         self._visible_cache[run_id] = vis
         return vis
 
@@ -493,7 +476,7 @@ class Store:
         attempts["ended"] = attempts["attempt"].isin(reported["attempt"])  # a rank wrote its end-of-run report
         latest = attempts.iloc[-1] if not attempts.empty else None
         meta = {
-            name: _json_or_empty(None if latest is None else latest[f"{name}_json"])
+            name: json_field(None if latest is None else latest[f"{name}_json"])
             for name in ("config", "model", "layout", "versions")
         }
         if meta["config"].get("run_id") is None and meta["config"]:
@@ -558,14 +541,7 @@ class Store:
     ) -> list[Record]:
         """The stored shards of one tensor (checksums verified), from the visible attempt; ``dp=None``:
         those of every data-parallel rank."""
-        vis = self.visible_attempts(run_id)
-        attempt = vis.get((phase, int(iteration)))
-        if attempt is None:
-            its = sorted(i for p, i in vis if p == phase)
-            raise StoreError(
-                f"run {run_id!r} has no {phase} records at iteration {iteration}"
-                + (f" (captured: {format_ranges(its)})" if its else "")
-            )
+        attempt = visible_attempt(self.visible_attempts(run_id), run_id, phase, iteration)
         params = {
             "run": run_id,
             "phase": phase,
@@ -598,7 +574,7 @@ class Store:
         table = self.sql(
             f"SELECT {_RECORD_SELECT} FROM {self.t('tensors')} FINAL WHERE {where} AND layer = {{layer:Int32}}", params
         )
-        return self._to_records(table)
+        return records_from_table(table)
 
     def _raise_no_records(self, run_id: str, output: str, phase: str, iteration: int, layer: int | None) -> None:
         """Raise a StoreError naming what a query for no records got wrong: an output the run did not capture
@@ -627,22 +603,6 @@ class Store:
             raise StoreError(
                 f"{output} at iteration {iteration} was captured at layer(s) {format_ranges(got)}, not at layer {layer}"
             )
-
-    @staticmethod
-    def _to_records(table: pa.Table) -> list[Record]:
-        out = []
-        for row in table.to_pylist():
-            payload = bytes(row.pop("payload"))
-            checksum = row.pop("checksum")
-            row.pop("nbytes")
-            key = RecordKey.from_flat(row)
-            if zlib.crc32(payload) != checksum:
-                raise ReconstructionError(
-                    f"{key.output} iteration {key.iteration} layer {key.layer} rank {key.coords.rank}: payload fails its "
-                    f"crc32 checksum (corrupted store)"
-                )
-            out.append(Record(key, payload))
-        return out
 
     def tensor(
         self,
@@ -712,17 +672,7 @@ class Store:
             f" AND phase = {{phase:String}} AND output = {{output:String}} AND invocation = {{inv:Int8}} AND {_VISIBLE}",
             {**self._vis_params(run_id), "phase": phase, "output": output, "inv": int(invocation)},
         )
-        groups: dict[tuple[int, int, int, int], list[Record]] = defaultdict(list)
-        for r in self._to_records(table):
-            groups[(r.key.iteration, r.key.microbatch, r.key.layer, r.key.coords.dp)].append(r)
-        return {
-            key: rebuild(
-                recs,
-                output,
-                what=f"{output} run {run_id} {phase} iteration {key[0]} microbatch {key[1]} layer {key[2]} dp {key[3]}",
-            )
-            for key, recs in sorted(groups.items())
-        }
+        return rebuild_each(records_from_table(table), output, what=f"{output} run {run_id} {phase}")
 
     def _expected_ranks(self, run_id: str, recs: list[Record]) -> dict[int, list[int]] | None:
         """Shard index -> ranks holding this layer with that TP coordinate (for error messages)."""
@@ -731,13 +681,7 @@ class Store:
             topo = self.topology(run_id, k.attempt)
         except Exception:  # last resort: these ranks only name suspects in a ReconstructionError's
             return None  # message; a store that cannot tell them must not replace that error
-        if topo.empty:
-            return None
-        out: dict[int, list[int]] = defaultdict(list)
-        for _, row in topo.iterrows():
-            if k.layer in set(int(x) for x in row["layers"]) and int(row["dp"]) == k.coords.dp:
-                out[int(row["tp"])].append(int(row["rank"]))
-        return dict(out)
+        return expected_ranks(topo.to_dict("records"), k)
 
     # -- questions --------------------------------------------------------------------------
     def expert_load(
@@ -850,7 +794,7 @@ class Store:
                 params,
             )
             groups: dict[tuple[int, int], list[Record]] = defaultdict(list)
-            for r in self._to_records(table):
+            for r in records_from_table(table):
                 groups[(r.key.layer, r.key.microbatch)].append(r)
             per_layer: dict[int, list[float]] = defaultdict(lambda: [0.0, 0, 0])
             for (layer, mb), recs in sorted(groups.items()):

@@ -30,6 +30,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron.core.dmi.capture import inside_backward
+from megatron.core.dmi.replay.extract import PROGRAM
 from megatron.core.dmi.replay.request import (
     ReplayMissingError,
     ReplayRequest,
@@ -67,7 +68,7 @@ class RoutingReplay:
         self._workdir = tempfile.TemporaryDirectory(prefix="dmi-replay-")
         out = os.path.join(self._workdir.name, "routing.npy")
         proc = subprocess.run(
-            [sys.executable, "-m", "megatron.core.dmi.replay.extract", out],
+            [sys.executable, "-c", PROGRAM, out],
             input=request.to_json(),
             capture_output=True,
             text=True,
