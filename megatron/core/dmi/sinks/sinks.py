@@ -68,14 +68,6 @@ class DMISink(Sink):
     def write_drops(self, keys: Sequence[RecordKey], reason: str) -> None:
         """Record the keys of records lost before reaching the sink (e.g. ring full)."""
 
-    def store_lag(self) -> int | None:
-        """Records this sink accepted that a store query cannot see yet (None: no store)."""
-        return None
-
-    def store_lag_seconds(self) -> float | None:
-        """How long the oldest record a store query cannot see yet has waited (None: not known)."""
-        return None
-
     def _error(self, msg: str) -> None:
         with self._buf_lock:
             self.report.errors.append(msg)

@@ -194,6 +194,22 @@ def test_tensor_segments_are_fsynced_at_flush(tmp_path, monkeypatch):
     sink.close()
 
 
+def test_every_sink_answers_the_whole_sink_contract(tmp_path):
+    # The session reads these plainly, whatever the sink: none may leave one out.
+    from megatron.core.dmi.sinks import EmbeddedSink
+
+    sinks = [
+        NullSink("run-a", ParallelCoords()),
+        SpoolSink("run-a", ParallelCoords(), str(tmp_path / "spool"), writers=1),
+        EmbeddedSink(str(tmp_path / "store"), "run-a", ParallelCoords(rank=1), is_ingester=False, writers=1),
+    ]
+    for sink in sinks:
+        assert sink.is_ingester is False, sink.name
+        report = sink.close()
+        assert (report.spooled_note, report.store_complete_s) == ("", None), sink.name
+    assert [s.store_lag() for s in sinks] == [None, None, 0]
+
+
 def test_store_lag_counts_what_a_store_query_cannot_see_yet(tmp_path):
     from megatron.core.dmi.sinks import EmbeddedSink
 
