@@ -306,10 +306,9 @@ class DMISession:
         """The log-interval line: records captured, dropped, waiting in the drain, persisted and not yet in the
         store, rejected replays and, when any, time spent waiting for ring space and at the spool bound."""
         t = self.transport.stats
-        lag = self.sink.store_lag()
-        waited = self.sink.store_lag_seconds()
+        lag = self.sink.store_lag()  # once per line: it stats every waiting spool segment
         store = (
-            f"store lag: {lag} records" + (f", {waited:.0f} s" if waited is not None else "")
+            f"store lag: {lag.rows} records, {lag.seconds:.0f} s"
             if lag is not None
             else f"store: none ({self.config.persist})"
         )

@@ -35,6 +35,16 @@ class SinkReport:
     store_complete_s: float | None = None  # the store held everything this long after close began (a node's ingester)
 
 
+class Waiting(NamedTuple):
+    """Records a store query cannot see yet: how many, how long the oldest spool segment among them
+    has waited, and their bytes (in a spool writer's tensor segments, or those plus a sink's buffered
+    and half-written ones)."""
+
+    rows: int
+    seconds: float
+    bytes: int
+
+
 class SpoolBacklog(NamedTuple):
     """This rank's spool bytes waiting for the store (written, not yet ingested or replayed and
     deleted), against their bound (``--dmi-spool-max-gb``)."""
@@ -68,12 +78,9 @@ class Sink(ABC):
     def flush(self) -> None:
         """Make everything written so far durable."""
 
-    def store_lag(self) -> int | None:
-        """Records this sink accepted that a store query cannot see yet (None: the sink has no store)."""
-        return None
-
-    def store_lag_seconds(self) -> float | None:
-        """How long the oldest record a store query cannot see yet has waited (None: not known)."""
+    def store_lag(self) -> Waiting | None:
+        """What this sink accepted that a store query cannot see yet (None: the sink has no store).
+        Asked once per log line, on the training thread: a stat per waiting spool segment at most."""
         return None
 
     def spool_backlog(self) -> SpoolBacklog | None:
