@@ -25,6 +25,7 @@ from megatron.core.dmi.config import CaptureWindowError, DMIConfig, SpoolBoundEr
 from megatron.core.dmi.hooks import groups
 from megatron.core.dmi.hooks.groups.base import ModelFacts
 from megatron.core.dmi.store_address import PASSWORD_ENV, parse_store_run
+from megatron.core.dmi.validators import ConfigValueError, argparse_type
 from megatron.training.dmi.signals import seal_seconds
 
 NOT_FLAGS = ("clickhouse_password",)
@@ -44,19 +45,16 @@ def _flag_value(value):
 
 
 def _flag_type(parse: Callable, host_check: Callable | None) -> Callable[[str], object]:
-    """A field parser as an argparse type: its errors become argparse's one-line errors."""
+    """A field parser (and its host check) as an argparse type: its errors become argparse's one-line errors."""
 
     def parse_flag(text: str):
-        try:
-            value = parse(text)
-        except ValueError as exc:  # the field parsers raise ValueError subclasses that say why
-            raise argparse.ArgumentTypeError(str(exc)) from None
+        value = parse(text)  # the field parsers raise ValueError subclasses that say why
         problem = host_check(value) if host_check else None
         if problem:
-            raise argparse.ArgumentTypeError(problem)
+            raise ConfigValueError(problem)
         return _flag_value(value)
 
-    return parse_flag
+    return argparse_type(parse_flag)
 
 
 class _DMIGroupFactory(ArgumentGroupFactory):
