@@ -90,7 +90,7 @@ def test_fuzzed_dmi_values_parse_or_fail_cleanly(pairs):
         if "argument --dmi-clickhouse-url" in msg:
             assert "p@h" not in msg  # a password in a URL is never echoed
         return
-    # accepted: the config builds (or a start-up _fail, a clean SystemExit with a message)
+    # accepted: the config builds (or a start-up refusal, a clean SystemExit with a message)
     ns.save = None
     try:
         cfg = config_from_args(ns)

@@ -21,7 +21,6 @@ from typing import Literal, get_args, get_origin
 import torch
 
 from megatron.core.dmi.catalog import parse_hooks
-from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.key import PHASES
 from megatron.core.dmi.store_address import (
     PASSWORD_ENV,
@@ -31,46 +30,11 @@ from megatron.core.dmi.store_address import (
     parse_server_url,
     redact,
 )
-
-
-class ConfigValueError(DMIError, ValueError):
-    """A value a DMIConfig field cannot take."""
+from megatron.core.dmi.validators import ConfigValueError, nice_increment, positive_int
 
 
 class CaptureWindowError(ConfigValueError):
     """The last captured iteration comes before the first."""
-
-
-def positive_int(value: str | int) -> int:
-    """A count or a 1-based iteration.
-
-    Args:
-        value: the flag's text or an int.
-
-    Returns:
-        The integer, at least 1.
-
-    Raises:
-        ConfigValueError: not an integer, or below 1.
-    """
-    try:
-        n = int(value) if isinstance(value, str) else value
-    except ValueError:
-        n = None
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ConfigValueError(f"expected a positive integer, got {value!r}")
-    return n
-
-
-def nice_increment(value: str | int) -> int:
-    """How much lower a helper process's CPU priority is (``nice``): an integer from 0 to 19."""
-    try:
-        n = int(value) if isinstance(value, str) else value
-    except ValueError:
-        n = None
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= 19:
-        raise ConfigValueError(f"expected an integer from 0 to 19, got {value!r}")
-    return n
 
 
 def _number(value: str | float, expected: str) -> float:

@@ -306,10 +306,9 @@ class DMISession:
         """The log-interval line: records captured, dropped, waiting in the drain, persisted and not yet in the
         store, rejected replays and, when any, time spent waiting for ring space and at the spool bound."""
         t = self.transport.stats
-        lag = self.sink.store_lag()
-        waited = self.sink.store_lag_seconds() if hasattr(self.sink, "store_lag_seconds") else None
+        lag = self.sink.store_lag()  # once per line: it stats every waiting spool segment
         store = (
-            f"store lag: {lag} records" + (f", {waited:.0f} s" if waited is not None else "")
+            f"store lag: {lag.rows} records, {lag.seconds:.0f} s"
             if lag is not None
             else f"store: none ({self.config.persist})"
         )
@@ -338,7 +337,7 @@ class DMISession:
         self._closed = True
         self.drain.close()
         self._release_model()
-        ingester = getattr(self.sink, "is_ingester", False)
+        ingester = self.sink.is_ingester
         report = None if ingester else self.sink.close()
         if _world() > 1:
             torch.distributed.barrier()  # every rank's spool is complete before the final ingest
@@ -411,7 +410,7 @@ class DMISession:
         return (
             f"rank {self.coords.rank}: captured {t.published} records ({t.published_bytes} B), "
             f"written {report.records_written} ({report.bytes_written} B), spooled {report.records_spooled}"
-            + (f" ({report.spooled_note})" if report.records_spooled and getattr(report, "spooled_note", "") else "")
+            + (f" ({report.spooled_note})" if report.records_spooled and report.spooled_note else "")
             + ", "
             f"dropped {t.dropped + report.records_dropped}, replays rejected {self.capture.stats.replays_rejected}"
             + (
@@ -427,7 +426,7 @@ class DMISession:
             + (f", {self.replay.status}" if self.replay is not None else "")
             + (
                 f", store complete {report.store_complete_s:.1f} s after close began"
-                if getattr(report, "store_complete_s", None) is not None
+                if report.store_complete_s is not None
                 else ""
             )
             + (f", errors: {'; '.join(report.errors)}" if report.errors else "")

@@ -17,6 +17,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import Field, fields
+from typing import NoReturn
 
 from megatron.training.argument_utils import ArgumentGroupFactory
 
@@ -25,6 +26,7 @@ from megatron.core.dmi.config import CaptureWindowError, DMIConfig, SpoolBoundEr
 from megatron.core.dmi.hooks import groups
 from megatron.core.dmi.hooks.groups.base import ModelFacts
 from megatron.core.dmi.store_address import PASSWORD_ENV, parse_store_run
+from megatron.core.dmi.validators import ConfigValueError, argparse_type
 from megatron.training.dmi.signals import seal_seconds
 
 NOT_FLAGS = ("clickhouse_password",)
@@ -44,19 +46,16 @@ def _flag_value(value):
 
 
 def _flag_type(parse: Callable, host_check: Callable | None) -> Callable[[str], object]:
-    """A field parser as an argparse type: its errors become argparse's one-line errors."""
+    """A field parser (and its host check) as an argparse type: its errors become argparse's one-line errors."""
 
     def parse_flag(text: str):
-        try:
-            value = parse(text)
-        except ValueError as exc:  # the field parsers raise ValueError subclasses that say why
-            raise argparse.ArgumentTypeError(str(exc)) from None
+        value = parse(text)  # the field parsers raise ValueError subclasses that say why
         problem = host_check(value) if host_check else None
         if problem:
-            raise argparse.ArgumentTypeError(problem)
+            raise ConfigValueError(problem)
         return _flag_value(value)
 
-    return parse_flag
+    return argparse_type(parse_flag)
 
 
 class _DMIGroupFactory(ArgumentGroupFactory):
@@ -119,7 +118,8 @@ def config_from_args(args: argparse.Namespace) -> DMIConfig:
         The checked config.
 
     Raises:
-        SystemExit: the capture window ends before it starts (naming ``--dmi-end-iter``).
+        FlagRefusal: the capture window ends before it starts (naming ``--dmi-end-iter``), or a spool
+            bound is given without a store (``--dmi-spool-max-gb``).
     """
     values = {name: getattr(args, dest_of(name)) for name in FLAG_FIELDS}
     values["store_dir"] = args.dmi_store_dir or os.path.join(getattr(args, "save", None) or "", DMIConfig.store_dir)
@@ -127,13 +127,21 @@ def config_from_args(args: argparse.Namespace) -> DMIConfig:
     try:
         return DMIConfig(**values)
     except CaptureWindowError as exc:
-        _fail("--dmi-end-iter", str(exc))
+        refuse("--dmi-end-iter", str(exc))
     except SpoolBoundError as exc:
-        _fail("--dmi-spool-max-gb", str(exc))
+        refuse("--dmi-spool-max-gb", str(exc))
 
 
-def _fail(flag: str, message: str) -> None:
-    raise SystemExit(f"error: argument {flag}: {message}")
+class FlagRefusal(SystemExit):
+    """A flag value this run cannot honour. Its code is the line ``error: argument FLAG: why``;
+    ``entry.flag_refusals_as_usage_errors`` reports it as argparse reports a bad argument, and as
+    Megatron's own argument errors end: the one-line usage, ``<prog>: error: argument FLAG: why``,
+    exit 2 (uncaught, Python prints the line and exits 1)."""
+
+
+def refuse(flag: str, why: str) -> NoReturn:
+    """Stop at start-up, naming ``flag`` and why its value cannot run (a ``FlagRefusal``)."""
+    raise FlagRefusal(f"error: argument {flag}: {why}")
 
 
 def model_shape(args: argparse.Namespace) -> ModelShape:
@@ -179,10 +187,10 @@ def check_dmi_layout(args: argparse.Namespace) -> None:
     looks at them: context parallelism, and each selected hook group's own refusal (``groups.refusal``,
     which ``HookSet.attach`` runs too)."""
     if args.dmi_hooks and args.context_parallel_size > 1:
-        _fail("--dmi-hooks", "context parallelism (--context-parallel-size > 1) is not supported by DMI yet")
+        refuse("--dmi-hooks", "context parallelism (--context-parallel-size > 1) is not supported by DMI yet")
     why = groups.refusal(frozenset(args.dmi_hooks), ModelFacts.of(args))
     if why is not None:
-        _fail(*why)
+        refuse(*why)
 
 
 # (flag, why --dmi-replay-routing cannot follow it), checked in order; each a predicate on the arguments
@@ -213,10 +221,10 @@ def check_replay_args(args: argparse.Namespace) -> None:
     itself is checked against this one when the model exists (megatron/core/dmi/replay)."""
     for flag, refused, why in _REPLAY_REFUSALS:
         if refused(args):
-            _fail("--dmi-replay-routing", f"{why} ({flag})")
+            refuse("--dmi-replay-routing", f"{why} ({flag})")
     store, _ = parse_store_run(args.dmi_replay_routing)
     if "://" not in store and not os.path.isdir(store):
-        _fail("--dmi-replay-routing", f"no DMI store at {store!r} (directory does not exist)")
+        refuse("--dmi-replay-routing", f"no DMI store at {store!r} (directory does not exist)")
 
 
 def validate_dmi_args(args: argparse.Namespace) -> None:
@@ -229,7 +237,7 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
     shape = model_shape(args)
     beyond = [layer for layer in args.dmi_layers or () if layer >= args.num_layers]
     if beyond:
-        _fail(
+        refuse(
             "--dmi-layers",
             f"layer(s) {', '.join(map(str, beyond))} not in this model: --num-layers "
             f"{args.num_layers} has layers 0-{args.num_layers - 1}",
@@ -242,16 +250,16 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
         )
     largest = max(record_bytes(o, shape) for o in args.dmi_hooks)
     if largest > args.dmi_ring_mb * (1 << 20):
-        _fail(
+        refuse(
             "--dmi-ring-mb",
             f"{args.dmi_ring_mb} MiB cannot hold one record of {largest} bytes; use at least {largest / (1 << 20):.2f}",
         )
     if args.dmi_clickhouse_password_file and not os.access(args.dmi_clickhouse_password_file, os.R_OK):
-        _fail("--dmi-clickhouse-password-file", f"cannot read {args.dmi_clickhouse_password_file!r}")
+        refuse("--dmi-clickhouse-password-file", f"cannot read {args.dmi_clickhouse_password_file!r}")
     if args.dmi_persist == "clickhouse" and args.dmi_clickhouse_url:
         why = _ping(args.dmi_clickhouse_url)
         if why is not None:
-            _fail(
+            refuse(
                 "--dmi-clickhouse-url",
                 f"ClickHouse at {args.dmi_clickhouse_url} is unreachable ({why}); "
                 "fix the URL or use --dmi-persist spool and load the spool later",
@@ -260,20 +268,20 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
         try:
             check_graph_support(frozenset(args.dmi_hooks))
         except UnsupportedUnderGraphsError as exc:
-            _fail("--dmi-hooks", str(exc))
+            refuse("--dmi-hooks", str(exc))
         if args.dmi_transport == "torch":
-            _fail(
+            refuse(
                 "--dmi-transport",
                 "CUDA graphs (--cuda-graph-impl) need the native transport (its device gate "
                 "and context block replay with the graph); use native or auto",
             )
         if args.dmi_record_replays:
-            _fail(
+            refuse(
                 "--dmi-record-replays",
                 "recompute replays cannot be recorded under CUDA graphs; they are rejected by the device gate",
             )
         if "full_iteration" in [getattr(s, "name", s) for s in (getattr(args, "cuda_graph_scope", None) or [])]:
-            _fail(
+            refuse(
                 "--cuda-graph-scope",
                 "full_iteration graphs replay every microbatch's forward without Python, so DMI cannot tell "
                 "the microbatches apart; graph per layer or per sub-layer scope (attn, mlp, moe, moe_router, "
@@ -281,8 +289,8 @@ def validate_dmi_args(args: argparse.Namespace) -> None:
             )
     store_dir = config_from_args(args).store_dir
     if os.path.exists(store_dir) and not os.path.isdir(store_dir):
-        _fail("--dmi-store-dir", f"{store_dir!r} is a file; name a folder (created if missing) for DMI's store")
+        refuse("--dmi-store-dir", f"{store_dir!r} is a file; name a folder (created if missing) for DMI's store")
     try:
         os.makedirs(store_dir, mode=0o700, exist_ok=True)
     except OSError as exc:
-        _fail("--dmi-store-dir", f"cannot create {store_dir!r}: {exc.strerror}")
+        refuse("--dmi-store-dir", f"cannot create {store_dir!r}: {exc.strerror}")

@@ -25,6 +25,7 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 
 from megatron.core import parallel_state as mpu
 from megatron.training import get_args, print_rank_0
+from megatron.training.dmi.arguments import refuse
 
 # The package each object-storage scheme reads through (megatron-core imports them lazily).
 OBJECT_STORAGE_PACKAGES = {"s3": "boto3", "msc": "multistorageclient"}
@@ -134,46 +135,38 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def data_args_problem(args) -> str | None:
-    """Why these data arguments cannot run in this environment, as ``argument --flag: reason``
-    (None when they can).
+def validate_data_args(args) -> None:
+    """Refuse, in one line naming the flag (``FlagRefusal``), data arguments that cannot run in this
+    environment; run with Megatron's argument validation, before the tokenizer, the model or any
+    dataset exists.
 
     Each case is one where upstream's entry fails too, deep inside megatron-core (an assertion
-    without a message, or an ImportError when the tokenizer or the first batch is built); here it
-    is one line before anything is built.
+    without a message, or an ImportError when the tokenizer or the first batch is built).
     """
     package = TOKENIZER_PACKAGES.get(args.tokenizer_type)
     if package and not _installed(package):
-        return (
-            f"argument --tokenizer-type: {args.tokenizer_type} needs the '{package}' package, which is not "
-            "installed (without the flag the tokenizer is GPT2BPETokenizer, as upstream's entry has it; "
-            "NullTokenizer with --vocab-size needs no package)"
+        refuse(
+            "--tokenizer-type",
+            f"{args.tokenizer_type} needs the '{package}' package, which is not installed (without the flag the "
+            "tokenizer is GPT2BPETokenizer, as upstream's entry has it; NullTokenizer with --vocab-size needs no "
+            "package)",
         )
     if args.sft and args.micro_batch_size != 1:
-        return "argument --sft: packed sequences need --micro-batch-size 1 (one pack of sequences a microbatch)"
+        refuse("--sft", "packed sequences need --micro-batch-size 1 (one pack of sequences a microbatch)")
     if args.sft and not _installed("datasets"):
-        return "argument --sft: SFTDataset reads jsonl through the 'datasets' package, which is not installed"
+        refuse("--sft", "SFTDataset reads jsonl through the 'datasets' package, which is not installed")
     for path in _data_paths(args):
         if not is_object_storage_path(path):
             continue
         scheme = get_object_storage_access(path)
         if args.object_storage_cache_path is None:
-            return (
-                f"argument --data-path: {path} is in object storage ({scheme}://); "
-                "give --object-storage-cache-path for its cached index files"
+            refuse(
+                "--data-path",
+                f"{path} is in object storage ({scheme}://); give --object-storage-cache-path for its cached index files",
             )
         package = OBJECT_STORAGE_PACKAGES[scheme]
         if not _installed(package):
-            return f"argument --data-path: {path} is read through the '{package}' package, which is not installed"
-    return None
-
-
-def validate_data_args(args) -> None:
-    """Stop with one line (``error: argument --flag: reason``) when ``data_args_problem`` finds one;
-    run with Megatron's argument validation, before the tokenizer, the model or any dataset exists."""
-    why = data_args_problem(args)
-    if why:
-        raise SystemExit(f"error: {why}")
+            refuse("--data-path", f"{path} is read through the '{package}' package, which is not installed")
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):

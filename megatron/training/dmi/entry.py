@@ -6,6 +6,7 @@ of ``megatron.core.dmi.upstream_patches``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import os
 import socket
@@ -41,14 +42,20 @@ def prebuilt_dataset_helpers(compile_helpers: Callable) -> Callable:
     return lambda: None
 
 
-def _as_usage_error(refusal: SystemExit) -> None:
-    """A DMI refusal (``error: argument --flag: why``) as argparse gives one: the one-line usage,
-    then the error, exit 2. Any other exit goes on unchanged."""
-    if not (isinstance(refusal.code, str) and refusal.code.startswith("error: argument ")):
-        raise refusal
-    prog = os.path.basename(sys.argv[0])
-    sys.stderr.write(f"usage: {SHORT_USAGE % {'prog': prog}}\n{prog}: {refusal.code}\n")
-    sys.exit(2)
+@contextlib.contextmanager
+def flag_refusals_as_usage_errors():
+    """Report a flag refusal (``arguments.FlagRefusal``) raised inside as argparse reports a bad
+    argument, which is how Megatron's own argument errors end too: the one-line usage, then
+    ``<prog>: error: argument --flag: why``, exit 2. Every refusal of a flag at start-up (DMI's,
+    the model's, the data's) goes through here, so they all look and exit alike."""
+    from megatron.training.dmi.arguments import FlagRefusal
+
+    try:
+        yield
+    except FlagRefusal as refusal:
+        prog = os.path.basename(sys.argv[0])
+        sys.stderr.write(f"usage: {SHORT_USAGE % {'prog': prog}}\n{prog}: {refusal.code}\n")
+        sys.exit(2)
 
 
 def validate_args_with_dmi_layout(validate_args: Callable) -> Callable:
@@ -57,10 +64,8 @@ def validate_args_with_dmi_layout(validate_args: Callable) -> Callable:
     from megatron.training.dmi.arguments import check_dmi_layout
 
     def validate(args, *a, **k):
-        try:
+        with flag_refusals_as_usage_errors():
             check_dmi_layout(args)
-        except SystemExit as refusal:
-            _as_usage_error(refusal)
         return validate_args(args, *a, **k)
 
     return validate
@@ -74,10 +79,8 @@ def dmi_checks_before_argument_dump(print_args: Callable) -> Callable:
 
     def checked_then_printed(title, args, *a, **k):
         if title == "arguments":
-            try:
+            with flag_refusals_as_usage_errors():
                 validate_dmi_args(args)
-            except SystemExit as refusal:
-                _as_usage_error(refusal)
         return print_args(title, args, *a, **k)
 
     return checked_then_printed
@@ -178,7 +181,8 @@ def train_with_dmi(train: Callable) -> Callable:
         if get_args().dmi_hooks or get_args().dmi_replay_routing:  # with no DMI flag, nothing of DMI is imported
             from megatron.training.dmi.runtime import DMIRuntime
 
-            runtime = _one_line_on_replay_error(DMIRuntime.start, model)
+            with flag_refusals_as_usage_errors():  # the ring checked again against the device's free memory
+                runtime = _one_line_on_replay_error(DMIRuntime.start, model)
         try:
             return train(forward_step_func, model, *args, **kwargs)
         finally:

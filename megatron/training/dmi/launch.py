@@ -18,10 +18,17 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from typing import NoReturn
 
 from megatron.training.dmi import CPU_DEV_FLAG
 
 USAGE = "usage: python -m megatron.training.dmi.launch SCRIPT [SCRIPT's arguments] [--dmi-* arguments]"
+
+
+def _usage_error(why: str) -> NoReturn:
+    """Stop as argparse stops on a bad argument: the usage, the error, exit 2."""
+    sys.stderr.write(f"{USAGE}\nerror: {why}\n")
+    sys.exit(2)
 
 
 def wants_dmi(args: list[str]) -> bool:
@@ -40,10 +47,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{USAGE}\n\n{__doc__}")
         return
     if not argv:
-        sys.exit(f"{USAGE}\nerror: name the entry script to run")
+        _usage_error("name the entry script to run")
     script = argv[0]
     if not os.path.isfile(script):
-        sys.exit(f"{USAGE}\nerror: no entry script at {script!r}: name the Python file that calls pretrain")
+        _usage_error(f"no entry script at {script!r}: name the Python file that calls pretrain")
     sys.argv = [script, *argv[1:]]
     sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` puts it
     dmi = wants_dmi(sys.argv[1:])

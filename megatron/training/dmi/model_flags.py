@@ -9,7 +9,7 @@ import argparse
 import importlib.util
 import os
 
-from megatron.training.dmi.arguments import _fail as fail
+from megatron.training.dmi.arguments import refuse
 
 # GPTModel's RoPE scaling factor, which upstream's GPT builder never overrides
 BUILDER_ROPE_SCALING_FACTOR = 8.0
@@ -81,10 +81,10 @@ def check_model_flags(args: argparse.Namespace, cpu: bool) -> list[str]:
         The lines to print about accepted flags that have no effect (as in upstream's entry).
 
     Raises:
-        SystemExit: one line naming the flag and why.
+        FlagRefusal: one line naming the flag and why.
     """
     if args.use_legacy_models:
-        fail(
+        refuse(
             "--use-legacy-models",
             "the legacy GPT model (megatron.legacy) is part of Megatron-LM's repository, not of the "
             "megatron-core wheel; this entry builds megatron-core's GPTModel",
@@ -94,9 +94,9 @@ def check_model_flags(args: argparse.Namespace, cpu: bool) -> list[str]:
     else:
         _check_backend(args)
     if args.mtp_num_layers is not None and args.transformer_impl == "inference_optimized":
-        fail("--mtp-num-layers", "multi-token prediction has no --transformer-impl inference_optimized spec")
+        refuse("--mtp-num-layers", "multi-token prediction has no --transformer-impl inference_optimized spec")
     if args.record_memory_history and cpu:
-        fail("--record-memory-history", "it records CUDA allocations: not available with --cpu-dev-mode")
+        refuse("--record-memory-history", "it records CUDA allocations: not available with --cpu-dev-mode")
     notices = []
     if args.use_rope_scaling and args.rope_scaling_factor != BUILDER_ROPE_SCALING_FACTOR:
         notices.append(
@@ -105,7 +105,7 @@ def check_model_flags(args: argparse.Namespace, cpu: bool) -> list[str]:
         )
     given = modelopt_flags_given(args)
     if given and _installed("modelopt"):
-        fail(
+        refuse(
             given[0],
             "nvidia-modelopt is installed, but ModelOpt's Megatron integration (megatron.post_training, in "
             "Megatron-LM's repository) is not part of the megatron-core wheel",
@@ -121,18 +121,18 @@ def check_model_flags(args: argparse.Namespace, cpu: bool) -> list[str]:
 def _check_backend(args: argparse.Namespace) -> None:
     """The layer specs of ``--transformer-impl`` (with no ``--spec``) must exist for this model."""
     if args.experimental_attention_variant is not None and args.transformer_impl != "transformer_engine":
-        fail(
+        refuse(
             "--experimental-attention-variant",
             f"the experimental attention block spec ({args.experimental_attention_variant}) is built "
             "with Transformer Engine only: add --transformer-impl transformer_engine",
         )
     if args.transformer_impl != "local" and not _installed("transformer_engine"):
-        fail(
+        refuse(
             "--transformer-impl",
             f"{args.transformer_impl} needs Transformer Engine, which is not installed (use --transformer-impl local)",
         )
     if args.multi_latent_attention and args.transformer_impl == "local":
-        fail(
+        refuse(
             "--multi-latent-attention",
             "the local spec's DotProductAttention cannot run MLA (it takes no separate key/value head "
             "sizes, and megatron-core stops inside the model build): use --transformer-impl transformer_engine",
@@ -140,20 +140,20 @@ def _check_backend(args: argparse.Namespace) -> None:
     # the heterogeneous spec is chosen after the experimental and MoE ones (model_provider.decoder_spec)
     heterogeneous = args.heterogeneous_layers_config_path is not None and not args.num_experts
     if args.transformer_impl == "inference_optimized" and heterogeneous and args.experimental_attention_variant is None:
-        fail("--transformer-impl", "inference_optimized has no heterogeneous layer spec")
+        refuse("--transformer-impl", "inference_optimized has no heterogeneous layer spec")
 
 
 def _check_spec(spec: list[str]) -> None:
     """``--spec MODULE NAME`` must name an importable module and an attribute of it."""
     if len(spec) != 2:
-        fail("--spec", f"takes MODULE NAME (two values), got {len(spec)}: {' '.join(spec)}")
+        refuse("--spec", f"takes MODULE NAME (two values), got {len(spec)}: {' '.join(spec)}")
     module, name = spec
     try:
         imported = importlib.import_module(module)
     except ImportError as exc:
-        fail("--spec", f"cannot import {module}: {exc}")
+        refuse("--spec", f"cannot import {module}: {exc}")
     if not hasattr(imported, name):
-        fail("--spec", f"{module} has no {name}")
+        refuse("--spec", f"{module} has no {name}")
 
 
 def print_notices(notices: list[str]) -> None:

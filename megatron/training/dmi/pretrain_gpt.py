@@ -165,13 +165,14 @@ def forward_step(data_iterator, model: GPTModel, return_schedule_plan: bool = Fa
 def main():
     # Before megatron.training initialises: --help, argument errors, the CPU mode or the no-GPU message.
     entry.prepare_process(sys.argv, model_flags.add_modelopt_args)
-    # Flags this entry cannot honour as upstream does stop here, in one line, before any process group exists.
+    # Flags this entry cannot honour as upstream does stop here, as argparse errors, before any process group exists.
     args = parse_args(entry.extra_args_provider(model_flags.add_modelopt_args))
-    model_flags.print_notices(model_flags.check_model_flags(args, cpu=entry.CPU_DEV_FLAG in sys.argv))
-    for name, value in ARGS_DEFAULTS.items():  # as Megatron's validation applies pretrain's args_defaults
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-    dataset_provider.validate_data_args(args)
+    with entry.flag_refusals_as_usage_errors():
+        model_flags.print_notices(model_flags.check_model_flags(args, cpu=entry.CPU_DEV_FLAG in sys.argv))
+        for name, value in ARGS_DEFAULTS.items():  # as Megatron's validation applies pretrain's args_defaults
+            if getattr(args, name, None) is None:
+                setattr(args, name, value)
+        dataset_provider.validate_data_args(args)
     # --inprocess-restart: megatron.training's wrapper (a warning and a plain run without
     # nvidia-resiliency-ext), with the store it creates for the restarts; DMI closes inside each attempt.
     train, store = inprocess_restart.maybe_wrap_for_inprocess_restart(entry.pretrain_with_dmi(pretrain))

@@ -23,7 +23,7 @@ from megatron.core.dmi.cpu_mode import compute_device
 from megatron.core.dmi.session import DMISession
 from megatron.core.dmi.sinks.owner import StoreInUseError
 from megatron.training import get_args, print_rank_0
-from megatron.training.dmi.arguments import config_from_args
+from megatron.training.dmi.arguments import config_from_args, refuse
 from megatron.training.dmi.scalars import RouterScalars
 from megatron.training.dmi.scalars import wanted as scalars_wanted
 from megatron.training.dmi.signals import SignalSeal, handled_signals, seal_seconds
@@ -59,15 +59,15 @@ class DMIRuntime:
 
     def __init__(self, config: DMIConfig):
         """Start this process's DMI session from ``config`` and hook into Megatron's checkpoint saves and training
-        log; ends the process (SystemExit) when host or device memory cannot hold the ring or
-        another run writes the store."""
+        log. Raises FlagRefusal when host or device memory cannot hold the ring, and ends the process
+        (SystemExit) when another run writes the store."""
         args = get_args()
         self.config = config
         self.args = args
         resumed_from = args.iteration if (args.load and args.iteration) else None
         why = ring_memory_problem(config.ring_mb)  # again now that CUDA is initialised: the device's free memory
         if why:
-            raise SystemExit(f"error: argument --dmi-ring-mb: {why}")
+            refuse("--dmi-ring-mb", why)
         try:
             self.session = DMISession(
                 config,

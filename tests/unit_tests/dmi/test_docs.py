@@ -97,13 +97,13 @@ def test_docs_link_each_other():
 
 # -- troubleshooting covers what DMI prints --------------------------------------------------------
 def _error_phrases() -> list[str]:
-    """Stable fragments of the start-up errors raised in the DMI code (flag-level _fail calls and
+    """Stable fragments of the start-up errors raised in the DMI code (flag-level refuse calls and
     entry-point exits)."""
     out = []
     for path in ("megatron/training/dmi/arguments.py", "megatron/training/dmi/entry.py"):
         with open(os.path.join(REPO, path), encoding="utf-8") as f:
             src = f.read()
-        out += re.findall(r'_fail\("(--dmi-[a-z-]+)"', src)
+        out += re.findall(r'refuse\("(--dmi-[a-z-]+)"', src)
     return sorted(set(out))
 
 

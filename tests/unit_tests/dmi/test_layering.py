@@ -21,7 +21,7 @@ PACKAGE = "megatron.core.dmi"
 LAYERS = [
     {"errors", "key"},
     {"upstream_patches"},
-    {"records", "catalog", "provenance", "cpu_mode", "store_address"},
+    {"records", "catalog", "provenance", "cpu_mode", "store_address", "validators"},
     {"config"},
     {"transport", "store"},
     {"capture", "sinks", "reader"},
@@ -202,6 +202,7 @@ def test_no_modules_import_each_other_in_a_circle():
         ("config", "megatron.core.dmi.store.schema"),  # config never imports storage
         ("config", "megatron.core.dmi.transport.abi"),  # ... nor the ring's ABI
         ("store", "megatron.core.dmi.reader.store"),  # an arrow back up
+        ("validators", "megatron.core.dmi.config"),  # the torch-free commands' checks never import config
     ],
 )
 def test_a_forbidden_import_is_caught(tmp_path, room, imports):
@@ -244,3 +245,9 @@ def test_the_record_key_is_a_leaf_without_torch_or_arrow():
     it), and neither torch nor pyarrow (config and readers use it without paying for them)."""
     heavy = sorted(n for n in _imports(CORE / "key.py") if n.startswith(("torch", "pyarrow", "megatron.core.dmi.")))
     assert heavy == []
+
+
+def test_the_shared_validators_import_no_torch():
+    """``megatron-dmi ingest`` checks its values with them and never imports torch (config does)."""
+    imported = _imports(CORE / "validators.py")
+    assert sorted(n for n in imported if n.startswith(("torch", "megatron.core.dmi.config"))) == []

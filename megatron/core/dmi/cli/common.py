@@ -11,6 +11,9 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from megatron.core.dmi.store_address import check_database
+from megatron.core.dmi.validators import argparse_type
+
 SetupFn = Callable[[argparse.ArgumentParser], None]
 COMMANDS: dict[str, tuple[SetupFn, str]] = {}
 
@@ -20,14 +23,8 @@ def add_subcommand(name: str, setup: SetupFn, help: str) -> None:
     COMMANDS[name] = (setup, help)
 
 
-def database_arg(value: str) -> str:
-    """The argparse type of every database flag (here and --dmi-clickhouse-database)."""
-    from megatron.core.dmi.store_address import IdentifierError, check_database
-
-    try:
-        return check_database(value)
-    except IdentifierError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+# The argparse type of every command's --database; --dmi-clickhouse-database checks the same.
+database_arg = argparse_type(check_database)
 
 
 def store_arg(p: argparse.ArgumentParser) -> None:

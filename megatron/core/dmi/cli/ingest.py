@@ -9,11 +9,11 @@ ranks only spool (``--dmi-persist spool``) or to keep one store loaded across se
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from megatron.core.dmi.cli.common import add_subcommand, database_arg
+from megatron.core.dmi.validators import NICE_MAX, argparse_type, nice_increment, positive_int
 
 
 def cmd_ingest(args) -> int:
@@ -53,30 +53,23 @@ def cmd_ingest(args) -> int:
     return rc
 
 
-def _int_in(low: int, high: int | None):
-    """An argparse type: an integer from ``low`` to ``high`` (no limit when None)."""
-
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            n = None
-        if n is None or n < low or (high is not None and n > high):
-            raise argparse.ArgumentTypeError(f"expected an integer from {low} to {high or 'any'}, got {text!r}")
-        return n
-
-    return parse
-
-
 def _setup_ingest(p):
     p.add_argument("store", help="the store directory (holding spool/ and chdb/)")
     p.add_argument("--follow", action="store_true", help="keep ingesting until Ctrl-C or SIGTERM, then a final pass")
     p.add_argument("--database", type=database_arg, default="dmi")
     p.add_argument("--poll-seconds", type=float, default=2.0, help="a pass at least this often (default 2)")
     p.add_argument(
-        "--threads", type=_int_in(1, None), default=None, help="chDB threads (default: a quarter of the cores, 1-4)"
+        "--threads",
+        type=argparse_type(positive_int),
+        default=None,
+        help="chDB threads (default: a quarter of the cores, 1-4)",
     )
-    p.add_argument("--nice", type=_int_in(0, 19), default=0, help="lower this process's CPU priority by this (0-19)")
+    p.add_argument(
+        "--nice",
+        type=argparse_type(nice_increment),
+        default=0,
+        help=f"lower this process's CPU priority by this (0-{NICE_MAX})",
+    )
     p.add_argument(
         "--codec", choices=["lz4", "zstd1", "none"], default=None, help="payload codec of a store created now"
     )

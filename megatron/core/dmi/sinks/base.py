@@ -31,6 +31,18 @@ class SinkReport:
     records_dropped: int = 0
     bytes_dropped: int = 0
     errors: list[str] = field(default_factory=list)
+    spooled_note: str = ""  # where the spooled records wait, and for whom ("" where nothing says more)
+    store_complete_s: float | None = None  # the store held everything this long after close began (a node's ingester)
+
+
+class Waiting(NamedTuple):
+    """Records a store query cannot see yet: how many, how long the oldest spool segment among them
+    has waited, and their bytes (in a spool writer's tensor segments, or those plus a sink's buffered
+    and half-written ones)."""
+
+    rows: int
+    seconds: float
+    bytes: int
 
 
 class SpoolBacklog(NamedTuple):
@@ -50,6 +62,10 @@ class SpoolBacklog(NamedTuple):
 class Sink(ABC):
     """Where the drain hands batches of records to persist them (or the native spool writer, its target)."""
 
+    # This process's sink runs its node's ingester, whose final pass loads every rank's spool: the
+    # session closes it after every other rank's sink (a barrier between).
+    is_ingester: bool = False
+
     @abstractmethod
     def write_table(self, table: pa.Table) -> None:
         """Persist one batch, a table in ``TENSOR_SCHEMA`` (called from the drain thread)."""
@@ -61,6 +77,11 @@ class Sink(ABC):
 
     def flush(self) -> None:
         """Make everything written so far durable."""
+
+    def store_lag(self) -> Waiting | None:
+        """What this sink accepted that a store query cannot see yet (None: the sink has no store).
+        Asked once per log line, on the training thread: a stat per waiting spool segment at most."""
+        return None
 
     def spool_backlog(self) -> SpoolBacklog | None:
         """What waits in this sink's spool for its store, when that is bounded; None: no bound.

@@ -36,8 +36,6 @@ class DMISinkReport(SinkReport):
     segments_ingested: int = 0  # ingester: spool segments of all ranks loaded by this process
     segments_corrupt: int = 0
     drops_recorded: int = 0  # keys of records lost upstream (ring full) written to the drops table
-    spooled_note: str = ""  # where the spooled records wait, and for whom
-    store_complete_s: float | None = None  # the store held everything this long after close began (ingester)
 
     def summary(self) -> str:
         """The report's counts as one line: written, spooled and dropped, then discarded, replayed and errors where

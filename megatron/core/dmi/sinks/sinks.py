@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from megatron.core.dmi.errors import InvalidArgumentError, UnsupportedOperationError
 from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.records import table_nbytes
-from megatron.core.dmi.sinks.base import Sink, SpoolBacklog
+from megatron.core.dmi.sinks.base import Sink, SpoolBacklog, Waiting
 from megatron.core.dmi.sinks.meta import (
     DMISinkReport,
     RunInfo,
@@ -67,14 +67,6 @@ class DMISink(Sink):
 
     def write_drops(self, keys: Sequence[RecordKey], reason: str) -> None:
         """Record the keys of records lost before reaching the sink (e.g. ring full)."""
-
-    def store_lag(self) -> int | None:
-        """Records this sink accepted that a store query cannot see yet (None: no store)."""
-        return None
-
-    def store_lag_seconds(self) -> float | None:
-        """How long the oldest record a store query cannot see yet has waited (None: not known)."""
-        return None
 
     def _error(self, msg: str) -> None:
         with self._buf_lock:
@@ -149,7 +141,7 @@ class _BufferedSink(DMISink):
         self.writers = writers
         self._pool = ThreadPoolExecutor(writers, thread_name_prefix="dmi-spool") if writers > 1 else None
         self._slots = threading.BoundedSemaphore(writers)
-        self._inflight: dict[Future, int] = {}  # segment writes in flight -> their rows
+        self._inflight: dict[Future, tuple[int, int]] = {}  # segment writes in flight -> their rows and bytes
         self._native: dict = {}  # the native spool writer's latest counters, if it writes our segments
         self._native_live = None  # and how to read them now
 
@@ -202,12 +194,21 @@ class _BufferedSink(DMISink):
             self._drops.extend((k, reason, now) for k in keys)
             self.report.drops_recorded += len(keys)
 
-    def _unwritten_rows(self) -> int:
-        """Rows buffered or being written to a segment (by Python or the native writer)."""
+    def _unwritten(self) -> tuple[int, int]:
+        """Rows and bytes buffered or being written to a segment (by Python or the native writer)."""
         live = self._native_live() if self._native_live else None
         with self._buf_lock:
-            native_open = (live or self._native).get("open_rows", 0)
-            return self._buf_rows + sum(self._inflight.values()) + native_open
+            native = live or self._native
+            rows = self._buf_rows + sum(n for n, _ in self._inflight.values()) + native.get("open_rows", 0)
+            nbytes = self._buf_bytes + sum(b for _, b in self._inflight.values()) + native.get("open_bytes", 0)
+        return rows, nbytes
+
+    def _store_lag(self) -> Waiting:
+        """What is unwritten plus this rank's tensor segments still in the spool (one ``waiting()`` call,
+        which also says how long the oldest has waited)."""
+        rows, nbytes = self._unwritten()
+        spooled = self.spool.waiting()
+        return Waiting(rows + spooled.rows, spooled.seconds, nbytes + spooled.bytes)
 
     def spool_backlog(self) -> SpoolBacklog | None:
         """The bytes of this rank's tensor segments on disk that no store has taken yet (closed
@@ -288,7 +289,7 @@ class _BufferedSink(DMISink):
         self._slots.acquire()  # back-pressure: at most `writers` segments in flight
         fut = self._pool.submit(self._emit_records, table, n, nbytes)
         with self._buf_lock:
-            self._inflight[fut] = n
+            self._inflight[fut] = (n, nbytes)
         fut.add_done_callback(lambda f: self._writer_done(f, n, nbytes))
 
     def _writer_done(self, fut: Future, n: int, nbytes: int) -> None:
@@ -424,13 +425,9 @@ class EmbeddedSink(SpoolSink):
         if closed and self.ingester is not None:
             self.ingester.wake()
 
-    def store_lag(self) -> int | None:
-        """Buffered rows plus the rows of this rank's segments the ingester has not loaded yet."""
-        return self._unwritten_rows() + self.spool.waiting()[0]
-
-    def store_lag_seconds(self) -> float:
-        """How long the oldest of this rank's segments the store has not loaded yet has waited."""
-        return self.spool.waiting()[1]
+    def store_lag(self) -> Waiting:
+        """Buffered records plus this rank's segments the ingester has not loaded yet."""
+        return self._store_lag()
 
     def _before_report(self) -> None:
         # Ingest everything (all ranks closed) before our own report, so its counts are final.
@@ -668,11 +665,9 @@ class ServerSink(_BufferedSink):
                 self._available()
         return super().spool_backlog()
 
-    def store_lag(self) -> int | None:
-        """Buffered rows plus the rows spooled during outages and not replayed yet."""
-        with self._buf_lock:
-            spooled = max(0, self._spooled_rows - self.report.records_replayed)
-        return self._unwritten_rows() + spooled
+    def store_lag(self) -> Waiting:
+        """Buffered records plus this rank's segments spooled during outages and not replayed yet."""
+        return self._store_lag()
 
     def _before_report(self) -> None:
         with self._io_lock:

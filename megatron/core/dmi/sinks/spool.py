@@ -18,12 +18,12 @@ import re
 import threading
 import time
 import uuid
-from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megatron.core.dmi.errors import InvalidArgumentError
+from megatron.core.dmi.sinks.base import Waiting
 from megatron.core.dmi.store import schema as S
 from megatron.core.dmi.store.segments import (
     META_ID,
@@ -59,15 +59,6 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-class Waiting(NamedTuple):
-    """A writer's tensor segments still in the spool: their rows, how long the oldest has waited,
-    and their size on disk."""
-
-    rows: int
-    seconds: float
-    bytes: int
 
 
 def _size(path: str) -> int:
@@ -224,4 +215,4 @@ class SpoolWriter:
             _fsync_dir(self.dir)
 
 
-__all__ = ["SpoolWriter", "Waiting"]
+__all__ = ["SpoolWriter"]

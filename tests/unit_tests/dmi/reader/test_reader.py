@@ -150,3 +150,39 @@ def test_hostile_values_are_parameters(tmp_path):
     )
     assert torch.equal(got, t.float())
     assert tensor_to_payload(got) == r.payload
+
+
+def _select_every_way(store_dir: str) -> dict:
+    from megatron.core.dmi.errors import InvalidArgumentError
+    from megatron.core.dmi.reader import TensorSelection, open_store
+
+    sel = TensorSelection(W.RUN, "router.logits", 2, layer=1)
+    with open_store(store_dir) as store:
+        tensors = [
+            store.tensor(W.RUN, "router.logits", 2, 0, 1, "train", 0, 0),
+            store.tensor(run_id=W.RUN, output="router.logits", iteration=2, layer=1),
+            store.tensor(sel),
+            torch.from_numpy(store.array(sel)),
+            torch.from_numpy(store.rebuild(W.RUN, "router.logits", 2, layer=1).values),
+        ]
+        shards = [r.key for r in store.records(sel)]
+        try:
+            store.rebuild(W.RUN, "router.logits", 2, layer=1, dp=None)
+            refused = ""
+        except InvalidArgumentError as e:
+            refused = str(e)
+    return {"tensors": tensors, "shards": shards, "refused": refused}
+
+
+def test_the_tensor_methods_take_one_selection_however_it_is_given(tmp_path):
+    recs = W.moe_records(iterations=range(1, 3), layers=(0, 1), tp=2, sp=True, seed=5)
+    run_isolated(W.write_embedded, str(tmp_path), recs, [W.run_info()])
+    got = run_isolated(_select_every_way, str(tmp_path))
+    want = sorted(
+        (r for r in recs if (r.key.output, r.key.iteration, r.key.layer) == ("router.logits", 2, 1)),
+        key=lambda r: r.key.token_start,
+    )
+    full = torch.cat([r.tensor() for r in want])
+    assert all(torch.equal(t, full) for t in got["tensors"])
+    assert sorted(got["shards"], key=lambda k: k.token_start) == [r.key for r in want]
+    assert "one data-parallel rank (dp), not None" in got["refused"]

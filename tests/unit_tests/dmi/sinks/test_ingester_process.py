@@ -11,8 +11,12 @@ import sys
 import threading
 import time
 
+import pytest
+
 from megatron.core.dmi.cli.watch import _ingester_line
+from megatron.core.dmi.config import DMIConfig
 from megatron.core.dmi.store.ingester import STATUS_FILE, IngesterStatus, read_status
+from megatron.core.dmi.validators import ConfigValueError
 from tests.unit_tests.dmi.isolated import run_isolated
 from tests.unit_tests.dmi.reader import live_workers as L
 from tests.unit_tests.dmi.sinks import workers as W
@@ -41,6 +45,24 @@ def test_ingest_by_hand_loads_the_spool_once_and_says_so(tmp_path):
 def test_ingest_refuses_a_folder_that_is_not_there(tmp_path):
     r = _ingest(str(tmp_path / "nowhere"))
     assert r.returncode == 2 and "no DMI store directory" in r.stderr
+
+
+def test_ingest_checks_its_values_as_the_training_flags_do_without_torch(tmp_path):
+    d = str(tmp_path / "store")
+    os.makedirs(d)
+    code = "import sys, megatron_dmi; rc = megatron_dmi.main(sys.argv[1:]); print('TORCH', 'torch' in sys.modules, rc)"
+    ok = subprocess.run(
+        [sys.executable, "-c", code, "ingest", d, "--threads", "1", "--nice", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ok.stdout.rstrip().endswith("TORCH False 0"), ok.stdout + ok.stderr
+    for flag, bad, field in (("--nice", "20", "ingest_nice"), ("--threads", "0", "ingest_threads")):
+        with pytest.raises(ConfigValueError) as refused:  # what --dmi-ingest-* says of the same value
+            DMIConfig(**{field: bad})
+        r = _ingest(d, flag, bad)
+        assert r.returncode == 2 and f"argument {flag}: {refused.value}" in r.stderr, r.stderr
 
 
 def test_supervisor_sync_then_finish(tmp_path):

@@ -18,6 +18,6 @@ def test_buffered_records_reach_a_segment_without_a_flush(tmp_path):
         time.sleep(0.05)
     segs = [s for s in list_segments(str(tmp_path)) if s.kind == "tensors"]
     assert len(segs) == 1 and read_segment(segs[0]).num_rows == len(recs)
-    assert sink._unwritten_rows() == 0
+    assert sink._unwritten() == (0, 0)
     sink.close()
     assert sink.report.records_written == len(recs)

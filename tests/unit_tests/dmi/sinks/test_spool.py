@@ -2,6 +2,7 @@
 
 import errno
 import os
+import re
 
 import pyarrow as pa
 import pytest
@@ -194,6 +195,22 @@ def test_tensor_segments_are_fsynced_at_flush(tmp_path, monkeypatch):
     sink.close()
 
 
+def test_every_sink_answers_the_whole_sink_contract(tmp_path):
+    # The session reads these plainly, whatever the sink: none may leave one out.
+    from megatron.core.dmi.sinks import EmbeddedSink
+
+    sinks = [
+        NullSink("run-a", ParallelCoords()),
+        SpoolSink("run-a", ParallelCoords(), str(tmp_path / "spool"), writers=1),
+        EmbeddedSink(str(tmp_path / "store"), "run-a", ParallelCoords(rank=1), is_ingester=False, writers=1),
+    ]
+    for sink in sinks:
+        assert sink.is_ingester is False, sink.name
+        report = sink.close()
+        assert (report.spooled_note, report.store_complete_s) == ("", None), sink.name
+    assert [s.store_lag() for s in sinks] == [None, None, (0, 0.0, 0)]
+
+
 def test_store_lag_counts_what_a_store_query_cannot_see_yet(tmp_path):
     from megatron.core.dmi.sinks import EmbeddedSink
 
@@ -206,10 +223,32 @@ def test_store_lag_counts_what_a_store_query_cannot_see_yet(tmp_path):
         str(tmp_path / "store"), "run-a", ParallelCoords(rank=1), is_ingester=False, writers=1, segment_records=10
     )
     sink.write(recs[:8])
-    assert sink.store_lag() == 8  # buffered
+    buffered = sum(len(r.payload) for r in recs[:8])
+    assert sink.store_lag().rows == 8 and sink.store_lag().bytes >= buffered  # buffered
     sink.write(recs[8:16])
-    assert sink.store_lag() == 16  # one segment of 16 rows written, nothing buffered
-    for seg in list_segments(str(tmp_path / "store" / "spool")):
-        os.unlink(seg.path)  # what the ingester does once a segment is loaded
-    assert sink.store_lag() == 0
+    lag = sink.store_lag()  # one segment of 16 rows written, nothing buffered
+    (seg,) = [s for s in list_segments(str(tmp_path / "store" / "spool")) if s.kind == "tensors"]
+    assert (lag.rows, lag.bytes) == (16, os.path.getsize(seg.path)) and lag.seconds >= 0
+    os.unlink(seg.path)  # what the ingester does once a segment is loaded
+    assert sink.store_lag() == (0, 0.0, 0)
     sink.close()
+
+
+def test_the_log_line_asks_the_spool_once_for_rows_and_seconds(tmp_path, monkeypatch):
+    # Every waiting() stats each segment in the spool, on the training thread.
+    from megatron.core.dmi.session import DMISession
+
+    monkeypatch.setenv("LOCAL_RANK", "1")  # not the node's ingester: the segment stays in the spool
+    config = DMIConfig(hooks=frozenset({"attn.context"}), store_dir=str(tmp_path / "store"), transport="torch")
+    session = DMISession(config)
+    try:
+        session.sink.write(moe_records()[:16])
+        session.sink.flush()
+        spool, asked = session.sink.spool, []
+        real = spool.waiting
+        monkeypatch.setattr(spool, "waiting", lambda: asked.append(1) or real())
+        line = session.status_line()
+        assert len(asked) == 1
+        assert re.search(r"\| store lag: 16 records, \d+ s \|", line), line
+    finally:
+        session.close()

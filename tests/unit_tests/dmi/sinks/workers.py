@@ -214,7 +214,7 @@ def write_server(store_dir: str, url: str, records: list[Record], infos: list[Ru
     for i in range(0, len(records), 4):
         sink.write(records[i : i + 4])
     sink.flush()
-    lag = sink.store_lag()
+    lag = sink.store_lag().rows
     return dict(dataclasses.asdict(sink.close()), store_lag_before_close=lag)
 
 

@@ -1,4 +1,6 @@
-"""Bad --dmi-* values stop pretrain_gpt.py with one line naming the flag, before any model exists."""
+"""Bad flags stop pretrain_gpt.py with one line naming the flag, before any model exists, as
+argparse (and so Megatron's own argument errors) stops: ``<prog>: error: argument FLAG: why``,
+exit 2, whether DMI's check, the model's or the data's refuses it."""
 
 import os
 import subprocess
@@ -70,6 +72,8 @@ CASES = {
         "--dmi-hooks",
         "multi-token prediction",
     ),
+    "a model this entry cannot build": (["--use-legacy-models"], "--use-legacy-models", "megatron.legacy"),
+    "data this entry cannot read": (["--sft"], "--sft", "packed sequences need --micro-batch-size 1"),
 }
 
 
@@ -92,9 +96,9 @@ def test_bad_flag_fails_before_the_model_is_built(case, tmp_path):
         timeout=120,
     )
     out = p.stdout + p.stderr
-    assert p.returncode != 0
-    error = [line for line in out.splitlines() if f"error: argument {flag}" in line]
-    assert error and detail in error[-1], out[-2000:]
+    assert p.returncode == 2, out[-2000:]
+    error = [line for line in p.stderr.splitlines() if line.startswith(f"pretrain_gpt.py: error: argument {flag}: ")]
+    assert len(error) == 1 and detail in error[0], out[-2000:]
     assert "Traceback" not in out
     assert "building GPT model" not in out
 

@@ -99,7 +99,7 @@ def test_drain_uses_the_native_writer_and_everything_reads_back(tmp_path, ring):
     raw = [s for s in list_segments(str(tmp_path)) if s.raw]
     assert len(raw) >= 3, "segments rotate at segment_bytes"
     assert sum(segment_rows_bytes(s)[0] for s in raw) == 30
-    assert sink.store_lag() is None and sink.spool.waiting()[0] == 30
+    assert sink.store_lag() is None and sink.spool.waiting().rows == 30
     sent.update(publish_many(ring, 5, start=30))
     drain.close()
     report = sink.close()
@@ -149,7 +149,7 @@ def test_unflushed_segment_is_a_temporary_file_until_complete(tmp_path, ring):
     while ring.spool_stats()["records"] < 4 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert ring.spool_stats()["open_rows"] == 4
-    assert drain.records_persisted == 4 and sink._unwritten_rows() == 4  # live, not as of the last relay
+    assert drain.records_persisted == 4 and sink._unwritten()[0] == 4  # live, not as of the last relay
     names = os.listdir(sink.spool.dir)
     assert not [n for n in names if n.endswith(".dmiraw")], "an open segment has no final name"
     assert [n for n in names if n.endswith(".tmp")], names
