@@ -176,9 +176,9 @@ def _capture_log() -> _Lines:
 
 
 def _sink(store_dir: str, per_segment: int, poll_s: float = 0.2, segment_seconds: float = 2.0):
-    from megatron.core.dmi.sinks import EmbeddedSink
+    from megatron.core.dmi.sinks import StoreSink
 
-    sink = EmbeddedSink(
+    sink = StoreSink(
         store_dir,
         RUN,
         ParallelCoords(rank=0),
@@ -193,7 +193,7 @@ def _sink(store_dir: str, per_segment: int, poll_s: float = 0.2, segment_seconds
 
 
 def ingester_killed_mid_run(store_dir: str, recs: list, per_segment: int, crash_at: str = "", every: bool = False):
-    """Local rank 0's EmbeddedSink writes ``recs``; a third of the way in, its ingester process is SIGKILLed
+    """Local rank 0's StoreSink writes ``recs``; a third of the way in, its ingester process is SIGKILLed
     (mid-pass, if one is running), or, with ``crash_at`` (``$DMI_TEST_CRASH_AT`` of the first ingester, or with
     ``every`` of every restarted one too, until the supervisor gives up), it kills itself there in its first pass
     with records. The sink goes on writing. Returns the pids, the restarts, the log's warnings and errors, and
@@ -236,7 +236,7 @@ def ingester_killed_mid_run(store_dir: str, recs: list, per_segment: int, crash_
 
 
 def run_beside_a_holder(store_dir: str, recs: list, per_segment: int, holder_pid: int) -> dict:
-    """Local rank 0's EmbeddedSink on a store another process (``holder_pid``) ingests: write half, flush, wait
+    """Local rank 0's StoreSink on a store another process (``holder_pid``) ingests: write half, flush, wait
     until the holder has loaded that half, write the rest, close. Returns the log's warnings, the holder's
     status right after close, and the report."""
     from megatron.core.dmi.store.ingester import read_status

@@ -21,7 +21,7 @@ from dataclasses import Field, fields
 from megatron.training.argument_utils import ArgumentGroupFactory
 
 from megatron.core.dmi.catalog import ModelShape, UnsupportedUnderGraphsError, check_graph_support, record_bytes
-from megatron.core.dmi.config import CaptureWindowError, DMIConfig, SpoolBoundError
+from megatron.core.dmi.config import CaptureWindowError, DMIConfig, IngestTargetError, SpoolBoundError
 from megatron.core.dmi.hooks import groups
 from megatron.core.dmi.hooks.groups.base import ModelFacts
 from megatron.core.dmi.store_address import PASSWORD_ENV, parse_store_run
@@ -119,7 +119,8 @@ def config_from_args(args: argparse.Namespace) -> DMIConfig:
         The checked config.
 
     Raises:
-        SystemExit: the capture window ends before it starts (naming ``--dmi-end-iter``).
+        SystemExit: the capture window ends before it starts (naming ``--dmi-end-iter``), or a setting does not
+            go with the others (naming its flag).
     """
     values = {name: getattr(args, dest_of(name)) for name in FLAG_FIELDS}
     values["store_dir"] = args.dmi_store_dir or os.path.join(getattr(args, "save", None) or "", DMIConfig.store_dir)
@@ -130,6 +131,8 @@ def config_from_args(args: argparse.Namespace) -> DMIConfig:
         _fail("--dmi-end-iter", str(exc))
     except SpoolBoundError as exc:
         _fail("--dmi-spool-max-gb", str(exc))
+    except IngestTargetError as exc:
+        _fail(exc.flag, str(exc))
 
 
 def _fail(flag: str, message: str) -> None:

@@ -66,7 +66,7 @@ GIVEN = {
     "clickhouse_url": ("https://reader@db.example:8443", "https://reader@db.example:8443"),
     "clickhouse_database": ("runs_2", "runs_2"),
     "store_codec": ("zstd1", "zstd1"),
-    "ingest_threads": ("2", 2),
+    "ingest_streams": ("3", 3),
     "ingest_nice": ("5", 5),
     "interval": ("3", 3),
     "start_iter": ("2", 2),
@@ -84,8 +84,9 @@ GIVEN = {
     "replay_routing": ("/data/dmi@run-1", "/data/dmi@run-1"),
     "replay_missing": ("live", "live"),
 }
-# Flags whose given value cannot go with GIVEN's (the spool bound needs the default --dmi-persist).
-GIVEN_ALONE = {"spool_max_gb": ("2.5", 2.5)}
+# Flags whose given value cannot go with GIVEN's (the spool bound needs the default --dmi-persist, the chDB
+# threads the embedded store).
+GIVEN_ALONE = {"spool_max_gb": ("2.5", 2.5), "ingest_threads": ("2", 2)}
 
 
 def test_every_flag_round_trips_into_the_config(monkeypatch):
