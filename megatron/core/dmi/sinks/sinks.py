@@ -542,7 +542,7 @@ class StoreSink(SpoolSink):
                     f"dmi.segments"
                 )
             if left_rows:
-                rep.spooled_note = f"waiting in {self.spool.dir} for {who}"
+                rep.spooled_note = f"waiting in {self.spool.dir} for {who}; {self.loads_the_spool()} loads them"
         if left_rows:
             log.warning(
                 "DMI rank %d: %d record(s) are not in the store yet; they wait in %s for %s (%s loads them)",

@@ -252,6 +252,8 @@ def ingest_spool(
     credited: set[str] | None = None,
     max_batch_bytes: int = 256 << 20,
     streams: int = 1,
+    hold: set[str] | frozenset[str] = frozenset(),
+    left: set[str] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> IngestResult:
     """Load every complete segment under ``spool_root`` that the store does not hold yet.
@@ -269,6 +271,8 @@ def ingest_spool(
     once per id in ``credited`` (pass the same set to every pass). Up to ``streams`` batches are inserted and
     read back at once, each on its own connection (a server's inserts are independent; the embedded store
     takes them one after the other); each is recorded and retired once it is read back, in the order taken.
+    Segments whose id is in ``hold`` are not taken (they stay in the spool); the ids of the segments this
+    pass took and did not load (refused, not read back whole, ingest paused) are added to ``left``.
     """
     if streams < 1:
         raise InvalidArgumentError(f"streams must be >= 1, not {streams}")
@@ -282,11 +286,16 @@ def ingest_spool(
         credited=set() if credited is None else credited,
         max_batch_bytes=max_batch_bytes,
         streams=streams,
+        hold=hold,
     )
     if ingest.too_full():  # not even worth reading the segments
         ingest.res.note(ingest.res.paused)
         return ingest.res
-    return ingest.run(list_segments(spool_root, ranks), progress)
+    try:
+        return ingest.run(list_segments(spool_root, ranks), progress)
+    finally:
+        if left is not None:
+            left |= ingest.taken - ingest.retired
 
 
 class _IngestPass:
@@ -303,6 +312,7 @@ class _IngestPass:
         credited: set[str],
         max_batch_bytes: int,
         streams: int,
+        hold: set[str] | frozenset[str],
     ):
         self.backend = backend
         self.spool_root = spool_root
@@ -319,6 +329,9 @@ class _IngestPass:
         self.inserting: ThreadPoolExecutor | None = None  # the insert streams (None: insert on this thread)
         self.in_flight: deque[tuple[str, list[_Pending], pa.Table, Future]] = deque()  # in the order taken
         self.seconds_lock = threading.Lock()  # the streams time their stages too
+        self.hold = hold
+        self.taken: set[str] = set()  # ids of the segments queued for a batch
+        self.retired: set[str] = set()  # ... and of those loaded
 
     def too_full(self) -> bool:
         """Whether ingest is paused: the store's file system is below the free-space margin."""
@@ -360,14 +373,16 @@ class _IngestPass:
         return self.res
 
     def read_ahead(self, seg: Segment) -> VerifiedSegment | None:
-        """The reading thread's work: ``verify_segment(seg)``, or None for a segment the store holds already."""
-        if peek_segment_id(seg) in self.known:
+        """The reading thread's work: ``verify_segment(seg)``, or None for a segment the store holds already or
+        that is held back."""
+        sid = peek_segment_id(seg)
+        if sid in self.known or sid in self.hold:
             return None
         return verify_segment(seg)
 
     def take(self, seg: Segment, read: Future | None = None) -> None:
-        """Skip a segment the store holds, reject one that cannot be read, else queue it verified (by ``read``,
-        the reading thread's ``read_ahead``, or here)."""
+        """Skip a segment the store holds, leave one held back, reject one that cannot be read, else queue it
+        verified (by ``read``, the reading thread's ``read_ahead``, or here)."""
         try:
             sid = peek_segment_id(seg)
             if seg.raw:
@@ -377,6 +392,8 @@ class _IngestPass:
                 self.res.segments_skipped += 1
                 if self.delete:
                     _retire(seg, keep=False)
+                return
+            if sid in self.hold:
                 return
             with self.timed("verify"):
                 verified = read.result() if read is not None else None
@@ -414,6 +431,7 @@ class _IngestPass:
                 _retire(seg, keep=True)
             return
         self.pending.setdefault(seg.kind, []).append(_Pending(seg, sid, v.table, problems))
+        self.taken.add(sid)
         self.pending_bytes[seg.kind] = self.pending_bytes.get(seg.kind, 0) + v.table.nbytes
         if self.pending_bytes[seg.kind] >= self.max_batch_bytes:
             self.commit(seg.kind)
@@ -561,6 +579,7 @@ class _IngestPass:
         """Count recorded segments as loaded and, when the store owns the spool, retire them."""
         for p in done:
             self.known.add(p.sid)
+            self.retired.add(p.sid)
             self.res.segments_loaded += 1
             self.res.segments_partial += bool(p.problems)
             self.res.rows += p.table.num_rows

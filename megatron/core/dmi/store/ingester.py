@@ -53,7 +53,8 @@ RETRY_S = (5.0, 60.0)  # a server that fails a pass is tried again after 5 s, do
 EXIT_STANDING_DOWN = 3  # another process holds the store
 MAX_RESTARTS = 3  # an ingester that keeps dying is left dead; the spool keeps the records
 TEST_RENAME_ENV = "DMI_TEST_RENAME_TENSORS"  # test-only: see _Service._test_rename_tensors
-SYNC_WORD = re.compile(r"sync (\d+)")
+SYNC_WORD = re.compile(r"sync (\d+)( close)?")
+CLOSING_TRIES = 3  # passes a closing sync gives segments that a pass left in the spool
 
 
 def default_ingest_threads() -> int:
@@ -134,7 +135,8 @@ def live_ingester(store_dir: str) -> IngesterStatus | None:
 
 class _Control:
     """The ingester's control stream: lines ``wake``, ``sync <n>`` (a pass now, then a status that says
-    ``synced: n``) and ``final``; the stream's end means final too."""
+    ``synced: n``), ``sync <n> close`` (the same, for the run's report: see ``serve``) and ``final``; the
+    stream's end means final too."""
 
     def __init__(self, stream):
         self.fd = stream.fileno() if stream is not None else None
@@ -186,6 +188,8 @@ class _Service:
         self.retry_at = 0.0  # monotonic time of the next try, after a failed one
         self.paused = False
         self.renamed = False  # the test-only rename fault fired
+        self.left: set[str] = set()  # ids of the segments the last pass took and did not load
+        self.held: set[str] = set()  # ids left by the closing sync, which later passes leave alone
         self._lock_fd: int | None = None
         self.backend: Backend
         if url:
@@ -277,7 +281,9 @@ class _Service:
             self.retry_at, self.retry_s = 0.0, RETRY_S[0]
 
     def _ingest(self) -> tuple[IngestResult, Exception | None]:
-        """A pass of ``ingest_spool``, and the error that ended it early (None: it ran through)."""
+        """A pass of ``ingest_spool``, and the error that ended it early (None: it ran through); ``left`` becomes
+        what it took and did not load."""
+        self.left = left = set()
         try:
             r = ingest_spool(
                 self.backend,
@@ -286,6 +292,8 @@ class _Service:
                 known=self.known,
                 credited=self.credited,
                 streams=self.streams,
+                hold=self.held,
+                left=left,
             )
             return r, None
         except Exception as e:  # last resort: the caller says what it means
@@ -321,6 +329,16 @@ class _Service:
                 out.flush()
             except (BrokenPipeError, ValueError):  # the training process is gone; the file still says it
                 pass
+
+    def close_sync(self) -> None:
+        """After the pass of a closing sync, which the run's report is settled from: give what it left up to
+        ``CLOSING_TRIES`` passes in all while the store takes inserts, then hold back what is still left, so the
+        store holds what the report says (those segments wait in the spool for a later ingester or ``load``)."""
+        for _ in range(CLOSING_TRIES - 1):
+            if not self.left or self.paused or not self.connected:
+                break
+            self.run_pass(forced=True)
+        self.held |= self.left
 
     def close(self) -> None:
         self.backend.close()
@@ -420,8 +438,11 @@ def serve(
         svc.publish(out)  # owner from now on
         last = not follow
         forced = last  # a sync's pass and the final one do not wait for a server's back-off
+        closing = False
         while True:
             svc.run_pass(forced)
+            if closing:
+                svc.close_sync()
             if sync or last:  # a pass the training waits for: say whether it left the spool empty
                 svc.status.synced = sync
                 svc.status.complete_at = time.time() if svc.status.waiting_segments == 0 else 0.0
@@ -430,10 +451,10 @@ def serve(
             svc.publish(out)
             word = ctl.wait(poll_s)
             last = word == "final" or finishing.is_set() or os.getppid() != parent
-            forced = last
+            forced, closing = last, False
             if word and SYNC_WORD.fullmatch(word):
                 sync = int(SYNC_WORD.fullmatch(word).group(1))
-                forced = True
+                forced, closing = True, bool(SYNC_WORD.fullmatch(word).group(2))
         svc.status.state = "done"
         svc.publish(out)
     finally:
@@ -645,8 +666,9 @@ class IngesterProcess:
 
     def sync(self, closing: bool = True) -> IngestResult:
         """A pass now, and wait for it. ``closing``: every rank's sink is closed, so it loads all they
-        spooled, and from here on a dead ingester is not restarted (one pass in a fresh one stands in).
-        Returns what this run's ingesters did."""
+        spooled, and from here on a dead ingester is not restarted (one pass in a fresh one stands in); the
+        report is settled from this pass, so the ingester gives what the pass could not load a few more tries,
+        then leaves it in the spool for good (``_Service.close_sync``). Returns what this run's ingesters did."""
         self._known_owner.wait(60)  # a run shorter than the ingester's start: let it say whether it stands down
         with self._lock:
             self._finishing = self._finishing or closing
@@ -655,7 +677,7 @@ class IngesterProcess:
             ticket = self._sync
         if standing_down:
             return self.result
-        self._say(f"sync {ticket}\n".encode())
+        self._say(f"sync {ticket}{' close' if closing else ''}\n".encode())
         since = time.monotonic()
         while not self._synced(ticket) and self.alive():
             self._changed.wait(30)
