@@ -246,21 +246,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
         with open(path, "wb") as f:
             f.write(body)
         try:
-            fmt = insert.group("fmt")
+            fmt, target, cols = insert.group("fmt"), insert.group("table"), insert.group("cols") or ""
             if fault == "drop_row":
-                cols = insert.group("cols") or ""
-                session.query(
-                    f"INSERT INTO {insert.group('table')} {cols} SELECT * FROM file('{path}', {fmt}) "
-                    "WHERE rowNumberInAllBlocks() > 0"
+                sql = (
+                    f"INSERT INTO {target} {cols} SELECT * FROM file('{path}', {fmt}) WHERE rowNumberInAllBlocks() > 0"
                 )
             else:
-                session.query(
-                    f"INSERT INTO {insert.group('table')} {insert.group('cols') or ''} FROM INFILE '{path}' FORMAT {fmt}"
-                )
-            rows = int(session.query(f"SELECT count() FROM file('{path}', {fmt})", "TabSeparated").bytes())
+                sql = f"INSERT INTO {target} {cols} FROM INFILE '{path}' FORMAT {fmt}"
+            rows = session.query(sql).rows_written()
         finally:
             os.unlink(path)
-        rows -= fault == "drop_row"
         self.engine.stored(table, rows)
         if fault == "die_after_store":
             os.kill(os.getpid(), signal.SIGKILL)
