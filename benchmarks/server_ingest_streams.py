@@ -8,15 +8,19 @@ batches of ``--batch-mb``: every batch is inserted over HTTP (clickhouse-connect
 as the training's ingester does. Reported per run: GiB/s of payload, the CPU seconds per GiB of the ingesting
 process (reading and verifying segments, Arrow encoding, HTTP, read-back) and of the server process, the pass's
 seconds by stage (``IngestResult.seconds``; insert and read_back summed over the streams), and the machine's
-load average before (the machine is shared: the figures depend on it).
+load average before (the machine is shared: the figures depend on it). With ``--url`` it loads into that
+ClickHouse server instead (its password from ``$DMI_CLICKHOUSE_PASSWORD``; databases ``bench_streams_<n>`` are
+created there, and the server's CPU is not measured): how many streams a node needs, on the training host.
 
     python benchmarks/server_ingest_streams.py --total-mb 512 --streams 1 2 4 \
         --json benchmarks/results/server_ingest_streams_<host>.json
+    python benchmarks/server_ingest_streams.py --url http://clickhouse.internal:8123 --total-mb 4096 --streams 1 2 4 8
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import resource
@@ -68,16 +72,18 @@ def spool(root: str, total_mb: float, record_kb: int, segment_mb: float, seed: i
     return n * per_layer * 2
 
 
-def measure(server: ChdbServer, spool_root: str, payload: int, streams: int, batch_mb: float) -> dict:
-    backend = ServerBackend(server.url, database=f"bench_streams_{streams}")
+def measure(url: str, server_pid: int | None, spool_root: str, payload: int, streams: int, batch_mb: float) -> dict:
+    """One pass over the whole spool into a fresh database (``server_pid``: the server's process, when local)."""
+    backend = ServerBackend(url, database=f"bench_streams_{streams}")
     backend.ensure_schema()
     load = os.getloadavg()[0]
-    c0, s0, t0 = cpu_seconds(), process_cpu_seconds(server.proc.pid), time.perf_counter()
+    server_cpu = (lambda: process_cpu_seconds(server_pid)) if server_pid else (lambda: 0.0)
+    c0, s0, t0 = cpu_seconds(), server_cpu(), time.perf_counter()
     r = ingest_spool(
         backend, spool_root, known=set(), streams=streams, max_batch_bytes=int(batch_mb * 2**20), delete=False
     )
     wall = time.perf_counter() - t0
-    cpu, server_cpu = cpu_seconds() - c0, process_cpu_seconds(server.proc.pid) - s0
+    cpu, server_s = cpu_seconds() - c0, server_cpu() - s0
     backend.close()
     gib = payload / 2**30
     return {
@@ -88,9 +94,9 @@ def measure(server: ChdbServer, spool_root: str, payload: int, streams: int, bat
         "errors": r.errors[:1],
         "GiBps": gib / wall,
         "ingester_cpu_s_per_GiB": cpu / gib,
-        "server_cpu_s_per_GiB": server_cpu / gib,
+        "server_cpu_s_per_GiB": server_s / gib if server_pid else None,
         "ingester_cores": cpu / wall,
-        "server_cores": server_cpu / wall,
+        "server_cores": server_s / wall if server_pid else None,
         "seconds": {k: round(v, 3) for k, v in r.seconds.items()},
         "wall_s": wall,
         "load_before": load,
@@ -105,22 +111,29 @@ def main() -> None:
     p.add_argument("--batch-mb", type=float, default=32)
     p.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--repeat", type=int, default=1, help="runs of each streams value, interleaved")
+    p.add_argument("--url", default=None, help="a ClickHouse server to load into (default: the local test server)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="server-streams-") as root:
         payload = spool(root, a.total_mb, a.record_kb, a.segment_mb, seed=0)
         runs = []
-        with ChdbServer(os.path.join(root, "server")) as server:
+        with contextlib.ExitStack() as stack:
+            server = None if a.url else stack.enter_context(ChdbServer(os.path.join(root, "server")))
+            url, pid = (a.url, None) if a.url else (server.url, server.proc.pid)
             for rep in range(a.repeat):
                 for streams in a.streams:
-                    row = measure(server, os.path.join(root, "spool"), payload, streams, a.batch_mb)
+                    row = measure(url, pid, os.path.join(root, "spool"), payload, streams, a.batch_mb)
                     row["repeat"] = rep
                     runs.append(row)
                     print(
                         f"streams {streams}: {row['GiBps']:.3f} GiB/s, ingester {row['ingester_cpu_s_per_GiB']:.1f} "
-                        f"CPU-s/GiB ({row['ingester_cores']:.2f} cores), server {row['server_cpu_s_per_GiB']:.1f} "
-                        f"CPU-s/GiB ({row['server_cores']:.2f} cores), stages {row['seconds']}, load "
-                        f"{row['load_before']:.1f}",
+                        f"CPU-s/GiB ({row['ingester_cores']:.2f} cores), server "
+                        + (
+                            f"{row['server_cpu_s_per_GiB']:.1f} CPU-s/GiB ({row['server_cores']:.2f} cores)"
+                            if pid
+                            else "not measured"
+                        )
+                        + f", stages {row['seconds']}, load {row['load_before']:.1f}",
                         flush=True,
                     )
     if a.json:
@@ -129,6 +142,9 @@ def main() -> None:
             {
                 "host": platform.node(),
                 "cpus": os.cpu_count(),
+                "server": "the local test server (chDB behind tests/fault_tests/chdb_server.py)"
+                if not a.url
+                else "--url",
                 "args": vars(a),
                 "runs": runs,
                 "payload": "bf16 normal samples (barely compressible)",
