@@ -193,6 +193,22 @@ def test_a_spool_bound_without_a_store_stops_with_the_bound_flag_named():
     )
 
 
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--dmi-ingest-streams", "2"], "--dmi-ingest-streams"),
+        (["--dmi-clickhouse-url", "http://h:8123", "--dmi-ingest-threads", "2"], "--dmi-ingest-threads"),
+    ],
+)
+def test_an_ingester_setting_for_the_other_kind_of_store_stops_with_its_flag_named(argv, flag, monkeypatch):
+    monkeypatch.delenv("DMI_CLICKHOUSE_PASSWORD", raising=False)
+    ns = _parser().parse_args(argv)
+    ns.save = None
+    with pytest.raises(SystemExit) as e:
+        config_from_args(ns)
+    assert str(e.value.code).startswith(f"error: argument {flag}: sets the "), e.value.code
+
+
 def _megatron_args(*extra: str) -> argparse.Namespace:
     """Megatron's own parse of the tiny MoE model's arguments plus ``extra``, with the DMI group."""
     from megatron.training.arguments import parse_args
