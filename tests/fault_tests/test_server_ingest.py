@@ -6,7 +6,7 @@ holds:
 
 1. the server down when the ingester starts: the segments wait in the spool, the ingester retries with back-off;
 2. the server dying mid-run (SIGKILL while it receives an insert, or after storing one before answering), then
-   back on the same port and store;
+   back on the same port and store; or refusing connections for a while;
 3. an insert the server answers 500 (before or after storing it), or acknowledges and partly loses: the
    read-back catches it and the segment is retried;
 4. ``kill -9`` of the ingester at each point of a pass into the server, then a restart.
@@ -94,11 +94,23 @@ def test_a_server_down_at_start_is_retried_and_then_takes_every_record_once(tmp_
         server.kill()
 
 
-# -- 2. the server dying mid-run ------------------------------------------------------------------------------------
+# -- 2. the server dying, or refusing connections, mid-run ------------------------------------------------------
 
 
-@pytest.mark.parametrize("death", ["die_mid_body", "die_after_store"])
-def test_a_server_dying_mid_run_loses_and_duplicates_nothing(death, tmp_path):
+def refused(port: int) -> bool:
+    """Whether a connection to the port is refused now."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        return False
+    except ConnectionRefusedError:
+        return True
+
+
+@pytest.mark.parametrize("fault", ["die_mid_body", "die_after_store", "refuse_connections"])
+def test_a_server_dying_or_refusing_mid_run_loses_and_duplicates_nothing(fault, tmp_path):
+    """die_*: the server is SIGKILLed while it receives an insert of tensor records, or after storing one before
+    answering, and comes back on the same port and store; refuse_connections: it closes its listening socket for
+    a while (connections refused), then listens again. Training goes on spooling meanwhile."""
     store = str(tmp_path / "store")
     recs = records(range(1, 10))
     third = len(recs) // 3
@@ -108,15 +120,21 @@ def test_a_server_dying_mid_run_loses_and_duplicates_nothing(death, tmp_path):
         sink.write(recs[:third])
         sink.flush()
         IW.wait_until(lambda: verified(ing) >= third, "the first third in the server")
-        server.fault(insert=death)  # the next insert of tensor records kills the server (SIGKILL)
+        if fault == "refuse_connections":
+            server.fault(refuse_s=8)
+            IW.wait_until(lambda: refused(server.port), "the server to refuse connections")
+        else:
+            server.fault(insert=fault)  # the next insert of tensor records kills the server (SIGKILL)
         sink.write(recs[third : 2 * third])
         sink.flush()
-        assert server.proc.wait(timeout=IW.WAIT_S) == -signal.SIGKILL
+        if fault != "refuse_connections":
+            assert server.proc.wait(timeout=IW.WAIT_S) == -signal.SIGKILL
         IW.wait_until(lambda: ing.status.result.get("errors"), "the ingester to notice")
         sink.write(recs[2 * third :])  # training goes on spooling
         sink.flush()
         assert verified(ing) < len(recs)
-        server.start()  # back on the same port and store
+        if fault != "refuse_connections":
+            server.start()  # back on the same port and store
         rep = dataclasses.asdict(sink.close())
         assert any("ClickHouse at 127.0.0.1" in e for e in rep["errors"]), rep["errors"]
         assert_exact(store, server.url, recs, rep)
