@@ -34,6 +34,8 @@ _FLAG_VALUES = {
     "--dmi-clickhouse-url": "`http(s)://[user@]host:port`",
     "--dmi-clickhouse-database": "`[A-Za-z_][A-Za-z0-9_]*`, not `system` or `information_schema`",
     "--dmi-clickhouse-password-file": "a readable file",
+    "--dmi-ingest-threads": "integer >= 1; not with `--dmi-clickhouse-url`",
+    "--dmi-ingest-streams": "integer >= 1; only with `--dmi-clickhouse-url`",
     "--dmi-interval": "integer >= 1",
     "--dmi-start-iter": "integer >= 1",
     "--dmi-end-iter": "integer >= start",

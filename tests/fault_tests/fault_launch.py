@@ -15,12 +15,16 @@ prints ``FAULT <kind> at iteration <n>: ...`` with the counts it saw):
 - ``stall``: the training thread stops for ``$DMI_FAULT_STALL_SECONDS`` (default 600) outside any of
   DMI's safe points, as one stuck in a collective whose peer is gone (a signal's handler runs, then
   the sleep goes on), so a signal's seal has to come from DMI's watchdog thread.
+- ``server_dies``: the ClickHouse server of ``--dmi-clickhouse-url`` (the local test server, with a
+  fault armed by the test: ``chdb_server.py``) dies in the ingester's pass over what was flushed; the
+  training waits until the test has brought it back (``/ping`` answers), then goes on.
 """
 
 import os
 import signal
 import sys
 import time
+import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
@@ -65,7 +69,27 @@ def _stall(rt) -> None:
     time.sleep(seconds)
 
 
-FAULTS = {"rename_tensors": _rename_tensors, "disk_full": _disk_full, "kill": _kill, "stall": _stall}
+def _server_dies(rt) -> None:
+    ing = rt.session.sink.ingester
+    ing.sync(closing=False)  # its inserts reach the server, which dies in one of them
+    ping = rt.args.dmi_clickhouse_url.split("@")[-1].removeprefix("http://")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{ping}/ping", timeout=2):
+                break
+        except OSError:
+            time.sleep(0.2)
+    _say(f"the ingester's pass left {ing.status.waiting_segments} segment(s) in the spool; the server is back")
+
+
+FAULTS = {
+    "rename_tensors": _rename_tensors,
+    "disk_full": _disk_full,
+    "kill": _kill,
+    "stall": _stall,
+    "server_dies": _server_dies,
+}
 _before_forward = dmi_runtime.DMIRuntime.before_forward
 
 

@@ -106,15 +106,22 @@ def spool_parquet(store_dir: str, recs: list, rank: int, per_segment: int) -> in
 # -- reading a store ------------------------------------------------------------------------------------------------
 
 
-def count_per_key(store_dir: str) -> dict:
-    """Plain SQL on the store itself (nothing ingested first), as a reader sees it (FINAL): rows per (output,
-    iteration, layer, rank) of ``dmi.tensors``, rows and distinct experts per record of ``dmi.expert_counts``;
-    tensor segments recorded in ``dmi.segments``; and keys of ``dmi.tensors`` whose physical copies
-    (before a merge collapses them) differ, and segment ids recorded more than once."""
-    from megatron.core.dmi.store import schema as S
-    from megatron.core.dmi.store.backend import ChdbBackend
+def store_backend(store: str):
+    """The backend of a store's address: a ClickHouse server URL, else the embedded store of a store folder."""
+    from megatron.core.dmi.store.backend import ChdbBackend, ServerBackend
 
-    b = ChdbBackend(os.path.join(store_dir, "chdb"))
+    return ServerBackend(store) if "://" in store else ChdbBackend(os.path.join(store, "chdb"))
+
+
+def count_per_key(store: str) -> dict:
+    """Plain SQL on the store itself (a store folder's embedded store, or a server URL; nothing ingested first),
+    as a reader sees it (FINAL): rows per (output, iteration, layer, rank) of ``dmi.tensors``, rows and distinct
+    experts per record of ``dmi.expert_counts``; tensor segments recorded in ``dmi.segments``; and keys of
+    ``dmi.tensors`` whose physical copies (before a merge collapses them) differ, and segment ids recorded more
+    than once."""
+    from megatron.core.dmi.store import schema as S
+
+    b = store_backend(store)
     try:
         tensors = b.query_arrow(
             f"SELECT output, iteration, layer, rank, count() AS n FROM {b.t('tensors')} FINAL "
@@ -146,11 +153,12 @@ def count_per_key(store_dir: str) -> dict:
         b.close()
 
 
-def supervised_pass(store_dir: str) -> dict:
-    """What a new training run's supervisor does on a store: start the ingester process, then finish it."""
+def supervised_pass(store_dir: str, url: str | None = None) -> dict:
+    """What a new training run's supervisor does on a store (into the server at ``url``, if given): start the
+    ingester process, then finish it."""
     from megatron.core.dmi.store.ingester import IngesterProcess
 
-    ing = IngesterProcess(store_dir, poll_s=0.2).start()
+    ing = IngesterProcess(store_dir, poll_s=0.2, url=url).start()
     ing.finish()
     return {"owner": ing.owner, "result": ing.result.to_dict()}
 
@@ -175,10 +183,19 @@ def _capture_log() -> _Lines:
     return h
 
 
-def _sink(store_dir: str, per_segment: int, poll_s: float = 0.2, segment_seconds: float = 2.0):
-    from megatron.core.dmi.sinks import EmbeddedSink
+def _sink(
+    store_dir: str,
+    per_segment: int,
+    poll_s: float = 0.2,
+    segment_seconds: float = 2.0,
+    url: str | None = None,
+    streams: int | None = None,
+):
+    """Local rank 0's StoreSink (its ingester process running) into the embedded store, or the server at ``url``
+    with ``streams`` parallel inserts; the run's metadata written."""
+    from megatron.core.dmi.sinks import StoreSink
 
-    sink = EmbeddedSink(
+    sink = StoreSink(
         store_dir,
         RUN,
         ParallelCoords(rank=0),
@@ -187,13 +204,15 @@ def _sink(store_dir: str, per_segment: int, poll_s: float = 0.2, segment_seconds
         writers=1,
         segment_records=per_segment,
         segment_seconds=segment_seconds,
+        url=url,
+        ingest_streams=streams,
     )
     sink.write_run(W.run_info())
     return sink
 
 
 def ingester_killed_mid_run(store_dir: str, recs: list, per_segment: int, crash_at: str = "", every: bool = False):
-    """Local rank 0's EmbeddedSink writes ``recs``; a third of the way in, its ingester process is SIGKILLed
+    """Local rank 0's StoreSink writes ``recs``; a third of the way in, its ingester process is SIGKILLed
     (mid-pass, if one is running), or, with ``crash_at`` (``$DMI_TEST_CRASH_AT`` of the first ingester, or with
     ``every`` of every restarted one too, until the supervisor gives up), it kills itself there in its first pass
     with records. The sink goes on writing. Returns the pids, the restarts, the log's warnings and errors, and
@@ -236,7 +255,7 @@ def ingester_killed_mid_run(store_dir: str, recs: list, per_segment: int, crash_
 
 
 def run_beside_a_holder(store_dir: str, recs: list, per_segment: int, holder_pid: int) -> dict:
-    """Local rank 0's EmbeddedSink on a store another process (``holder_pid``) ingests: write half, flush, wait
+    """Local rank 0's StoreSink on a store another process (``holder_pid``) ingests: write half, flush, wait
     until the holder has loaded that half, write the rest, close. Returns the log's warnings, the holder's
     status right after close, and the report."""
     from megatron.core.dmi.store.ingester import read_status

@@ -2,8 +2,8 @@
 fault tests assert: per run and attempt the stored rows, the visible (deduplicated, superseded)
 records per iteration, the end-of-run reports, drops, corrupt segments and the runs table text.
 
-    python tests/fault_tests/read_store.py <store dir> [extra table ...]
-    python tests/fault_tests/read_store.py --count <store dir> [table]
+    python tests/fault_tests/read_store.py <store dir or server URL> [extra table ...]
+    python tests/fault_tests/read_store.py --count <store dir or server URL> [table]
 
 ``--count`` is a plain SQL count of a tensor table per run and attempt, with nothing ingested
 first: what the store holds, to compare with a run's end-of-run report.
@@ -79,10 +79,10 @@ def read(store_dir: str, extra_tables: list[str]) -> dict:
         return out
 
 
-def count(store_dir: str, table: str = "tensors") -> dict:
-    from megatron.core.dmi.store.backend import ChdbBackend
+def count(store: str, table: str = "tensors") -> dict:
+    from megatron.core.dmi.store.backend import ChdbBackend, ServerBackend
 
-    b = ChdbBackend(os.path.join(store_dir, "chdb"))
+    b = ServerBackend(store) if "://" in store else ChdbBackend(os.path.join(store, "chdb"))
     try:
         rows = b.query_arrow(f"SELECT run_id, attempt, count() AS n FROM {b.t(table)} FINAL GROUP BY run_id, attempt")
     finally:

@@ -13,10 +13,12 @@ import re
 import stat
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from megatron.core.dmi.store.segments import list_segments, segment_rows_bytes, verify_segment
+from tests.fault_tests.chdb_server import ChdbServer
 from tests.fault_tests.tmpfs import small_tmpfs
 from tests.functional_tests.launch import REPO, tiny_moe_args
 
@@ -228,10 +230,11 @@ def test_server_gone_after_startup_spools_reports_and_loads_exactly(tmp_path):
             srv.kill()
             srv.wait()
     assert rc == 0, out[-4000:]
-    assert "ClickHouse server unavailable, spooling locally" in out
+    # the node's ingester cannot reach it: the segments wait in the spool, and the report says which command loads them
+    assert "DMI ingester: cannot connect to ClickHouse" in out and "segments wait in" in out
     line = report_line(out)
     assert "captured 64 records" in line and "written 0" in line and "spooled 64" in line and "dropped 0" in line, line
-    assert "remain spooled" in out and "megatron-dmi load" in out
+    assert "are not in the store yet" in out and "megatron-dmi ingest" in out and "--clickhouse-url" in line
     assert SECRET not in out
     assert spool_rows(store) == 4 * PER_ITER
     target = os.path.join(tmp, "loaded")
@@ -244,6 +247,48 @@ def test_server_gone_after_startup_spools_reports_and_loads_exactly(tmp_path):
     assert run["visible_per_iteration"] == {str(i): PER_ITER for i in range(1, 5)}
     assert run["reports"] and run["reports"][0]["records_spooled"] == 4 * PER_ITER
     assert SECRET not in json.dumps(data)
+
+
+# -- a real server (the local chDB-backed one) that dies mid-run and comes back ----------------------------
+def test_a_server_dying_mid_run_and_coming_back_holds_every_record_once_as_the_report_says(tmp_path):
+    """The server path end to end: the node's ingester inserts the spool into the server. At iteration 3 the
+    server is killed (SIGKILL) while it receives an insert of tensor records and comes back on the same port
+    and store; the segments it did not take wait in the spool meanwhile. The report's ``written`` is what the
+    server holds (plain count, FINAL), nothing is spooled or dropped, and a reader of the server sees every
+    record once."""
+    tmp = str(tmp_path)
+    store = os.path.join(tmp, "store")
+    server = ChdbServer(os.path.join(tmp, "server")).start()
+
+    def bring_back():
+        server.proc.wait()
+        server.start()
+
+    try:
+        server.fault(insert="die_mid_body")
+        threading.Thread(target=bring_back, daemon=True).start()
+        rc, out = train(
+            tmp,
+            ["--dmi-hooks", "router", "--dmi-clickhouse-url", server.url, "--dmi-store-dir", store],
+            fault="server_dies",
+            at=3,
+            env={"DMI_CLICKHOUSE_PASSWORD": SECRET},
+        )
+        assert rc == 0, out[-4000:]
+        said = [ln for ln in out.splitlines() if ln.startswith("FAULT server_dies")]
+        assert said and "the server is back" in said[0] and "left 0 segment" not in said[0], out[-4000:]
+        assert "DMI ingester: ClickHouse at 127.0.0.1" in out  # the ingester said what happened
+        line = report_line(out)
+        assert "captured 64 records" in line and "written 64" in line and "spooled 0" in line, line
+        run_id, attempt, written, _ = report_counts(out)
+        assert store_count(server.url)[f"{run_id}:{attempt}"] == written == 4 * PER_ITER
+        assert not tensor_segments(os.path.join(store, "spool"))
+        run = only_run(read_store(server.url)[0])
+        assert run["visible_per_iteration"] == {str(i): PER_ITER for i in range(1, 5)}
+        assert run["duplicate_visible_keys"] == 0 and run["rebuilt"] == 4 * PER_ITER
+        assert run["reports"] and run["reports"][0]["records_written"] == 4 * PER_ITER
+    finally:
+        server.kill()
 
 
 # -- an insert error mid-run: the store's tensors table is renamed away ----------------------------

@@ -393,7 +393,7 @@ class DMISession:
         if c.clickhouse_url:
             return (
                 f"written = in the server's database {c.clickhouse_database}; spooled = in {spool}, "
-                f"`megatron-dmi load {c.store_dir} --store <url>` inserts them"
+                f"`megatron-dmi ingest {c.store_dir} --clickhouse-url <url>` inserts them"
             )
         return (
             f"written = in the store {c.store_dir}; spooled = in {spool}, loaded into the store when it is "

@@ -120,7 +120,7 @@ def test_troubleshooting_names_every_failing_flag_and_key_messages():
         "RingTooSmallError",
         "NativeBuildError",
         "ReconstructionError",
-        "unavailable, spooling locally",
+        "cannot connect to ClickHouse",
         "IdentifierError",
         "context parallelism",
         "psutil",

@@ -348,13 +348,13 @@ import json, os, sys
 import torch
 from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.records import Record, dtype_name, tensor_to_payload
-from megatron.core.dmi.sinks import EmbeddedSink, RunInfo
+from megatron.core.dmi.sinks import RunInfo, StoreSink
 from megatron.core.dmi.reader import open_store
 store_dir = sys.argv[1]
 coords = ParallelCoords()
 t = torch.arange(24, dtype=torch.float32).reshape(6, 4) / 7
 key = RecordKey("doctor", "train", 1, 1, 0, 0, 0, "router.logits", coords, 0, 1, 0, 6, 6, dtype_name(t.dtype), tuple(t.shape))
-sink = EmbeddedSink(store_dir, "doctor", coords, is_ingester=True)
+sink = StoreSink(store_dir, "doctor", coords, is_ingester=True)
 sink.write_run(RunInfo(run_id="doctor", attempt=1, resumed_from_iteration=None, config={}, versions={},
                        coords=coords, layers=[0], world_size=1))
 sink.write([Record(key, tensor_to_payload(t))])

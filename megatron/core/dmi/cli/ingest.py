@@ -1,14 +1,17 @@
 """``ingest``: be a store's ingester (store/ingester.py).
 
 A training run with ``--dmi-persist clickhouse`` starts one itself; run it by hand for a job whose
-ranks only spool (``--dmi-persist spool``) or to keep one store loaded across several runs:
+ranks only spool (``--dmi-persist spool``), to keep one store loaded across several runs, or to load
+what a run left in the spool of a server store:
 
     megatron-dmi ingest dmi_store --follow      # until Ctrl-C or SIGTERM, then a final pass
     megatron-dmi ingest dmi_store               # one pass, then exit
+    megatron-dmi ingest dmi_store --clickhouse-url http://ch:8123 --streams 4   # into a server
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -23,6 +26,12 @@ def cmd_ingest(args) -> int:
     if not os.path.isdir(args.store):
         print(f"error: no DMI store directory at {args.store}", file=sys.stderr)
         return 2
+    if args.clickhouse_url and args.threads:
+        print("error: --threads sets the embedded store's chDB threads; into a server, use --streams", file=sys.stderr)
+        return 2
+    if args.streams and not args.clickhouse_url:
+        print("error: --streams is for a ClickHouse server (--clickhouse-url); use --threads", file=sys.stderr)
+        return 2
     by_hand = args.control is None
     rc = serve(
         args.store,
@@ -32,6 +41,8 @@ def cmd_ingest(args) -> int:
         threads=args.threads,
         nice=args.nice,
         codec=args.codec,
+        url=args.clickhouse_url,
+        streams=args.streams,
         control=sys.stdin if args.control == "stdin" else None,
         out=None if by_hand else sys.stdout,
         interrupt_finishes=by_hand,
@@ -53,16 +64,40 @@ def cmd_ingest(args) -> int:
     return rc
 
 
+def _url_arg(text: str) -> str:
+    """An argparse type: a ClickHouse server URL, checked as --dmi-clickhouse-url is."""
+    from megatron.core.dmi.store_address import ServerURLError, parse_server_url
+
+    try:
+        parse_server_url(text)
+    except ServerURLError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--dmi-clickhouse-url ")) from None
+    return text
+
+
 def _setup_ingest(p):
-    p.add_argument("store", help="the store directory (holding spool/ and chdb/)")
+    p.add_argument("store", help="the store directory (holding spool/, and chdb/ for the embedded store)")
     p.add_argument("--follow", action="store_true", help="keep ingesting until Ctrl-C or SIGTERM, then a final pass")
     p.add_argument("--database", type=database_arg, default="dmi")
     p.add_argument("--poll-seconds", type=float, default=2.0, help="a pass at least this often (default 2)")
     p.add_argument(
+        "--clickhouse-url",
+        type=_url_arg,
+        default=None,
+        help="load the spool into this ClickHouse server, http(s)://[user@]host:port, instead of the embedded store "
+        "(password: $DMI_CLICKHOUSE_PASSWORD or $DMI_CLICKHOUSE_PASSWORD_FILE)",
+    )
+    p.add_argument(
+        "--streams",
+        type=argparse_type(positive_int),
+        default=None,
+        help="parallel inserts into the server (default: a quarter of the cores, 1-4)",
+    )
+    p.add_argument(
         "--threads",
         type=argparse_type(positive_int),
         default=None,
-        help="chDB threads (default: a quarter of the cores, 1-4)",
+        help="chDB threads of the embedded store (default: a quarter of the cores, 1-4)",
     )
     p.add_argument(
         "--nice",

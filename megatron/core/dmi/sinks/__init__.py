@@ -4,10 +4,9 @@
 
 - ``--dmi-persist none``: NullSink (counts and discards)
 - ``--dmi-persist spool``: SpoolSink (per-rank segments under ``<store_dir>/spool``)
-- ``--dmi-persist clickhouse`` with ``--dmi-clickhouse-url``: ServerSink (every rank inserts;
-  spool fallback and replay)
-- ``--dmi-persist clickhouse`` without a URL: EmbeddedSink (every rank spools; the node's
-  ingester process loads all ranks into the embedded chDB store ``<store_dir>/chdb``)
+- ``--dmi-persist clickhouse``: StoreSink (every rank spools; the node's ingester process loads
+  all ranks into the embedded chDB store ``<store_dir>/chdb``, or with ``--dmi-clickhouse-url``
+  into that server, with ``--dmi-ingest-streams`` parallel inserts)
 
 Sinks write through the store package (``megatron.core.dmi.store``: schema, backends, segment
 formats, ingest); see docs/storage.md for the tables and the multi-rank design.
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from megatron.core.dmi.sinks.base import Sink, SinkReport
 from megatron.core.dmi.sinks.meta import DMISinkReport, RunInfo
-from megatron.core.dmi.sinks.sinks import DMISink, EmbeddedSink, NullSink, ServerSink, SpoolSink
+from megatron.core.dmi.sinks.sinks import DMISink, NullSink, SpoolSink, StoreSink
 from megatron.core.dmi.store_address import check_database, resolve_password
 
 if TYPE_CHECKING:  # config imports torch; writing and reading segments do not need it
@@ -32,7 +31,7 @@ STORE_SPOOL = "spool"
 
 def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingester: bool) -> DMISink:
     """The sink for this process. ``is_ingester``: this process is its node's ingester (local
-    rank 0); only used by the embedded store."""
+    rank 0), which starts the store's ingester process."""
     check_database(config.clickhouse_database, "--dmi-clickhouse-database")
     if config.persist == "none":
         return NullSink(run_id, coords)
@@ -44,18 +43,7 @@ def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingeste
         from megatron.core.dmi.config import ConfigValueError
 
         raise ConfigValueError(f"unknown --dmi-persist {config.persist!r} (expected clickhouse, spool or none)")
-    if config.clickhouse_url:
-        return ServerSink(
-            config.clickhouse_url,
-            run_id,
-            coords,
-            spool_root,
-            database=config.clickhouse_database,
-            password=resolve_password(config.clickhouse_password),
-            codec=config.store_codec,
-            spool_max_bytes=config.spool_max_bytes,
-        )
-    return EmbeddedSink(
+    return StoreSink(
         store_dir,
         run_id,
         coords,
@@ -64,6 +52,9 @@ def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingeste
         ingest_threads=config.ingest_threads,
         ingest_nice=config.ingest_nice,
         codec=config.store_codec,
+        url=config.clickhouse_url,
+        password=resolve_password(config.clickhouse_password) if config.clickhouse_url else None,
+        ingest_streams=config.ingest_streams,
         spool_max_bytes=config.spool_max_bytes,
     )
 
@@ -71,12 +62,11 @@ def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingeste
 __all__ = [
     "DMISink",
     "DMISinkReport",
-    "EmbeddedSink",
     "NullSink",
     "RunInfo",
-    "ServerSink",
     "Sink",
     "SinkReport",
     "SpoolSink",
+    "StoreSink",
     "open_sink",
 ]

@@ -23,31 +23,27 @@ from megatron.core.dmi.store import schema as S
 class DMISinkReport(SinkReport):
     """SinkReport plus what the concrete sinks also know.
 
-    Every tensor record a sink accepts ends in exactly one of: written (in the store, or in a spool
-    segment that is the designed route into it: embedded store and ``--dmi-persist spool``),
-    spooled (a server sink's fallback files still waiting for replay or ``load``), dropped (lost,
-    e.g. disk full), discarded (``--dmi-persist none``).
+    Every tensor record a sink accepts ends in exactly one of: written (read back from the store by
+    its ingester, or in a spool segment with ``--dmi-persist spool``), spooled (in spool segments
+    the store has not taken yet, e.g. while its server is down: an ingester or ``load`` loads them
+    later), dropped (lost, e.g. disk full), discarded (``--dmi-persist none``).
     """
 
     sink: str = ""
     records_discarded: int = 0
     bytes_discarded: int = 0
-    records_replayed: int = 0  # server sink: spooled while the server was away, replayed since
     segments_ingested: int = 0  # ingester: spool segments of all ranks loaded by this process
     segments_corrupt: int = 0
     drops_recorded: int = 0  # keys of records lost upstream (ring full) written to the drops table
 
     def summary(self) -> str:
-        """The report's counts as one line: written, spooled and dropped, then discarded, replayed and errors where
-        any."""
+        """The report's counts as one line: written, spooled and dropped, then discarded and errors where any."""
         s = (
             f"written {self.records_written} ({self.bytes_written / 2**20:.1f} MiB), "
             f"spooled {self.records_spooled}, dropped {self.records_dropped}"
         )
         if self.records_discarded:
             s += f", discarded {self.records_discarded}"
-        if self.records_replayed:
-            s += f", replayed {self.records_replayed}"
         if self.errors:
             s += f", {len(self.errors)} error(s)"
         return s

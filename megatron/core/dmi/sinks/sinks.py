@@ -1,5 +1,5 @@
-"""The concrete sinks: spool files, embedded chDB (spool + per-node ingester), ClickHouse server
-(direct inserts, spool fallback and replay) and a null sink.
+"""The concrete sinks: spool files, a store (spool + per-node ingester into embedded chDB or a
+ClickHouse server) and a null sink.
 
 Threading: the drain thread calls ``write_table``; the training thread may call ``write_run``,
 ``write_drops``, ``flush`` and ``close`` at the same time. Buffers sit behind a short lock; database
@@ -40,8 +40,7 @@ from megatron.core.dmi.sinks.meta import (
 from megatron.core.dmi.sinks.owner import claim_rank_dir, release_rank_dir
 from megatron.core.dmi.sinks.spool import SpoolWriter
 from megatron.core.dmi.store import schema as S
-from megatron.core.dmi.store.backend import BackendError, ServerBackend
-from megatron.core.dmi.store.ingest import IngestResult, ingest_spool, load_table
+from megatron.core.dmi.store.ingest import IngestResult
 from megatron.core.dmi.store.ingester import IngesterProcess, live_ingester, read_status
 
 log = logging.getLogger("megatron.core.dmi.sinks")
@@ -380,14 +379,11 @@ class SpoolSink(_BufferedSink):
             self._native = stats
 
 
-class EmbeddedSink(SpoolSink):
-    """``--dmi-persist clickhouse`` without a URL: every rank spools; the node's ingester, a process of
-    its own that local rank 0 starts and supervises (store/ingester.py), loads all ranks' segments
-    into the embedded chDB store ``<store_dir>/chdb``. ``close()`` on local rank 0 asks it for the
-    final pass and waits, so close every other rank first (the training integration barriers
-    before rank 0's close)."""
-
-    name = "chdb"
+class StoreSink(SpoolSink):
+    """``--dmi-persist clickhouse``: every rank spools; the node's ingester, a process of its own that local rank 0
+    starts and supervises (store/ingester.py), loads all ranks' segments into the store: the embedded chDB store
+    ``<store_dir>/chdb``, or the ClickHouse server at ``url``. ``close()`` on local rank 0 asks it for the final
+    pass and waits, so close every other rank first (the training integration barriers before rank 0's close)."""
 
     def __init__(
         self,
@@ -400,18 +396,33 @@ class EmbeddedSink(SpoolSink):
         ingest_threads: int | None = None,
         ingest_nice: int = 10,
         codec: str | None = None,
+        url: str | None = None,
+        password: str | None = None,
+        ingest_streams: int | None = None,
         **kw,
     ):
         """Spool under ``<store_dir>/spool``; on the node's ingesting rank (``is_ingester``) also start the
-        ingester process (a pass every ``ingest_poll_s`` s or when a segment closes, ``ingest_threads``
-        chDB threads, ``ingest_nice`` lower CPU priority; a store it creates gets payload codec ``codec``)."""
+        ingester process (a pass every ``ingest_poll_s`` s or when a segment closes, at ``ingest_nice`` lower CPU
+        priority) into the embedded store with ``ingest_threads`` chDB threads or, with ``url``, into that server
+        with ``ingest_streams`` parallel inserts (``password``: the server's); a store it creates gets payload
+        codec ``codec``."""
+        self.name = "clickhouse" if url else "chdb"
         super().__init__(run_id, coords, os.path.join(store_dir, "spool"), **kw)
         self.store_dir = store_dir
+        self.url = url
         self.is_ingester = is_ingester
         self.ingester: IngesterProcess | None = None
         if is_ingester:
             self.ingester = IngesterProcess(
-                store_dir, database, poll_s=ingest_poll_s, threads=ingest_threads, nice=ingest_nice, codec=codec
+                store_dir,
+                database,
+                poll_s=ingest_poll_s,
+                threads=ingest_threads,
+                nice=ingest_nice,
+                codec=codec,
+                url=url,
+                password=password,
+                streams=ingest_streams,
             ).start()
 
     def _emit_records(self, table, n, nbytes):
@@ -528,169 +539,27 @@ class EmbeddedSink(SpoolSink):
                     f"dmi.segments"
                 )
             if left_rows:
-                rep.spooled_note = f"waiting in {self.spool.dir} for {who}"
+                rep.spooled_note = f"waiting in {self.spool.dir} for {who}; {self.loads_the_spool()} loads them"
         if left_rows:
             log.warning(
-                "DMI rank %d: %d record(s) are not in the store yet; they wait in %s for %s "
-                "(`megatron-dmi ingest %s` or opening the store loads them)",
+                "DMI rank %d: %d record(s) are not in the store yet; they wait in %s for %s (%s loads them)",
                 self.coords.rank,
                 left_rows,
                 self.spool.dir,
                 who,
-                self.store_dir,
+                self.loads_the_spool(),
             )
+
+    def loads_the_spool(self) -> str:
+        """The commands that load what this store's spool holds, for a message."""
+        if self.url:
+            return (
+                f"`megatron-dmi ingest {self.store_dir} --clickhouse-url {self.url}` or "
+                f"`megatron-dmi load {self.store_dir} --store {self.url}`"
+            )
+        return f"`megatron-dmi ingest {self.store_dir}` or opening the store"
 
     def _after_close(self) -> None:
         if self.ingester is not None:
             self.ingester.finish()  # loads our report segment too, then closes the store
             self.ingester = None
-
-
-class ServerSink(_BufferedSink):
-    """``--dmi-clickhouse-url``: every rank inserts into the server with the same SQL and Arrow
-    encoding as the embedded store. On a connection or insert error the batch goes to the local
-    spool; spooled segments are replayed (oldest first) when the server answers again."""
-
-    name = "clickhouse"
-
-    def __init__(
-        self,
-        url: str,
-        run_id: str,
-        coords: ParallelCoords,
-        spool_root: str,
-        *,
-        database: str = S.DEFAULT_DATABASE,
-        password: str | None = None,
-        codec: str | None = None,
-        retry_initial_s: float = 5.0,
-        retry_max_s: float = 60.0,
-        connect_timeout: float = 3.0,
-        segment_bytes: int = 16 << 20,
-        **kw,
-    ):
-        """Connect to the server at ``url`` now, spooling under ``spool_root`` while it is away; retries back off
-        from ``retry_initial_s`` to ``retry_max_s``."""
-        super().__init__(run_id, coords, spool_root, segment_bytes=segment_bytes, **kw)
-        self.backend = ServerBackend(url, database, password, connect_timeout=connect_timeout)
-        self.codec = codec  # the payload codec of tables this sink creates on the server
-        self.retry_initial_s = retry_initial_s
-        self.retry_max_s = retry_max_s
-        self._retry_s = retry_initial_s
-        self._next_retry = 0.0
-        self._up = False
-        self._warned = False
-        self._spooled_rows = 0
-        self._spooled_bytes = 0
-        with self._io_lock:
-            self._try_connect()
-
-    def _down(self, e: Exception) -> None:
-        if self._up or not self._warned:
-            msg = (
-                f"DMI: ClickHouse server unavailable, spooling locally to {self.spool.dir} and retrying: "
-                f"{self.backend.redact(str(e))}"
-            )
-            warnings.warn(msg, RuntimeWarning, stacklevel=4)
-            log.warning(msg)
-            self._warned = True
-        self._up = False
-        self._next_retry = time.monotonic() + self._retry_s
-        self._retry_s = min(self.retry_max_s, self._retry_s * 2)
-        msg = self.backend.redact(str(e))
-        with self._buf_lock:
-            if msg not in self.report.errors:
-                self.report.errors.append(msg[:2000])
-
-    def _try_connect(self) -> bool:
-        """(Re)connect, create the schema and replay this rank's spool. Caller holds _io_lock."""
-        try:
-            self.backend.ensure_schema(self.codec)
-            if not self._up and self._warned:
-                log.warning("DMI: ClickHouse server %s reachable again; replaying the spool", self.backend.description)
-            self._up = True
-            self._warned = False
-            self._retry_s = self.retry_initial_s
-            self._replay()
-            return True
-        except S.SchemaVersionError:
-            raise
-        except (BackendError, OSError) as e:  # the server is unreachable or refuses; the spool replays later
-            self._down(e)
-            return False
-
-    def _replay(self) -> None:
-        r = ingest_spool(self.backend, self.spool_root, ranks={self.coords.rank}, delete=True)
-        if r.records or r.segments_loaded:
-            log.info("DMI: replayed %d spooled segment(s) (%d records) into ClickHouse", r.segments_loaded, r.records)
-        with self._buf_lock:
-            self.report.records_replayed += r.records
-            self.report.errors.extend(r.errors)
-
-    def _available(self) -> bool:
-        if not self._up and time.monotonic() >= self._next_retry:
-            self._try_connect()
-        return self._up
-
-    def _put(self, kind: str, table: pa.Table) -> str:
-        if self._available():
-            try:
-                load_table(self.backend, kind, table)
-                return "written"
-            except BackendError as e:
-                self._down(e)
-        return "spooled" if self._spool(kind, table, durable=kind != "tensors") else "dropped"
-
-    def _emit_records(self, table, n, nbytes):
-        where = self._put("tensors", table)
-        with self._buf_lock:
-            if where == "written":
-                self.report.records_written += n
-                self.report.bytes_written += nbytes
-            elif where == "spooled":
-                self._spooled_rows += n
-                self._spooled_bytes += nbytes
-            else:
-                self.report.records_dropped += n
-                self.report.bytes_dropped += nbytes
-
-    def _emit_meta(self, kind, table):
-        self._put(kind, table)
-
-    def spool_backlog(self) -> SpoolBacklog | None:
-        """As every spool sink; first, when a retry is due, reconnect and replay: while the drain
-        holds at the bound no batch arrives to trigger one, and only a replay empties the spool."""
-        if self.spool_max_bytes is not None and not self._up and time.monotonic() >= self._next_retry:
-            with self._io_lock:
-                self._available()
-        return super().spool_backlog()
-
-    def store_lag(self) -> Waiting:
-        """Buffered records plus this rank's segments spooled during outages and not replayed yet."""
-        return self._store_lag()
-
-    def _before_report(self) -> None:
-        with self._io_lock:
-            if not self._up:
-                self._next_retry = 0.0  # one last attempt at close
-                self._available()
-            # Whatever was replayed has reached the server; the rest waits in the spool.
-            with self._buf_lock:
-                replayed = min(self.report.records_replayed, self._spooled_rows)
-                frac = replayed / self._spooled_rows if self._spooled_rows else 0.0
-                self.report.records_written += replayed
-                self.report.bytes_written += int(self._spooled_bytes * frac)
-                self.report.records_spooled = self._spooled_rows - replayed
-                self.report.bytes_spooled = self._spooled_bytes - int(self._spooled_bytes * frac)
-            if self.report.records_spooled:
-                log.warning(
-                    "DMI rank %d: %d record(s) remain spooled in %s; load them with "
-                    "`megatron-dmi load %s --store <dir-or-url>`",
-                    self.coords.rank,
-                    self.report.records_spooled,
-                    self.spool.dir,
-                    self.spool_root,
-                )
-
-    def _after_close(self) -> None:
-        self.backend.close()

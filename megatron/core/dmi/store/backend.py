@@ -293,7 +293,11 @@ _OS_REASON = re.compile(r"\[Errno -?\d+\] [^\"')(]+")
 
 
 class ServerBackend(Backend):
-    """A ClickHouse server reached over HTTP(S), with the password from the environment or a file."""
+    """A ClickHouse server reached over HTTP(S), with the password from the environment or a file.
+
+    Safe to call from several threads at once: each call takes a client of its own from a small pool (a
+    clickhouse-connect client runs one request at a time), so concurrent inserts are concurrent HTTP requests,
+    independent on the server (the ingester's insert streams)."""
 
     def __init__(
         self,
@@ -303,50 +307,53 @@ class ServerBackend(Backend):
         connect_timeout: float = 3.0,
         send_receive_timeout: float = 60.0,
     ):
-        """Set up a client for the server at ``url``, connected on first use; the password is ``password``, or
+        """Set up clients for the server at ``url``, connected on first use; the password is ``password``, or
         ``resolve_password()``'s when None."""
         self.database = check_database(database)
         self._kw = parse_server_url(url)
         self.description = f"at {self._kw['host']}:{self._kw['port']}"
         self._password = password if password is not None else resolve_password()
-        self._client = None
         self._connect_timeout = connect_timeout
         self._send_receive_timeout = send_receive_timeout
         self._lock = threading.Lock()
+        self._idle: list = []  # connected clients no call is using
 
-    def _get(self):
-        if self._client is None:
-            import clickhouse_connect
+    def _take(self):
+        """A connected client for one call: an idle one, or a new connection."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        import clickhouse_connect
 
-            try:
-                self._client = clickhouse_connect.get_client(
-                    **self._kw,
-                    password=self._password,
-                    connect_timeout=self._connect_timeout,
-                    send_receive_timeout=self._send_receive_timeout,
-                    settings={"output_format_arrow_string_as_string": 0},
+        try:
+            return clickhouse_connect.get_client(
+                **self._kw,
+                password=self._password,
+                connect_timeout=self._connect_timeout,
+                send_receive_timeout=self._send_receive_timeout,
+                settings={"output_format_arrow_string_as_string": 0},
+            )
+        except Exception as e:  # never let the password leak through an exception text
+            reason = _OS_REASON.search(str(e))
+            raise BackendError(
+                f"cannot connect to ClickHouse {self.description}: "
+                + (
+                    f"{reason.group(0).strip()}; is the server running, and are the URL's host and port right?"
+                    if reason
+                    else self.redact(str(e))
                 )
-            except Exception as e:  # never let the password leak through an exception text
-                reason = _OS_REASON.search(str(e))
-                raise BackendError(
-                    f"cannot connect to ClickHouse {self.description}: "
-                    + (
-                        f"{reason.group(0).strip()}; is the server running, and are the URL's host and port right?"
-                        if reason
-                        else self.redact(str(e))
-                    )
-                ) from None
-        return self._client
+            ) from None
 
     def _wrap(self, fn):
+        client = self._take()
         try:
-            with self._lock:
-                return fn(self._get())
-        except BackendError:
-            raise
+            result = fn(client)
         except Exception as e:  # last resort: any client error leaves as BackendError, its text redacted
-            self._client = None  # reconnect next time
+            _close_quietly(client)  # a new connection next time
             raise BackendError(f"ClickHouse {self.description}: {type(e).__name__}: {self.redact(str(e))}") from None
+        with self._lock:
+            self._idle.append(client)
+        return result
 
     def redact(self, text: str) -> str:
         """``text`` with this server's password, credentials and foreign response bodies removed (see ``redact``)."""
@@ -375,10 +382,15 @@ class ServerBackend(Backend):
         self._wrap(lambda c: c.insert_arrow(table, data, database=self.database))
 
     def close(self):
-        """Close the client, if connected; the next statement connects again."""
-        if self._client is not None:
-            try:
-                self._client.close()
-            except Exception:  # last resort: the client is dropped either way, and close() runs on error
-                pass  # paths where a second error would hide the first
-            self._client = None
+        """Close the connected clients no call is using; the next call connects again."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for client in idle:
+            _close_quietly(client)
+
+
+def _close_quietly(client) -> None:
+    try:
+        client.close()
+    except Exception:  # last resort: the client is dropped either way, and closing runs on error paths where a
+        pass  # second error would hide the first

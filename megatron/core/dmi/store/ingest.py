@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megatron.core.dmi.errors import DMIError
+from megatron.core.dmi.errors import DMIError, InvalidArgumentError
 from megatron.core.dmi.store import raw_segment
 from megatron.core.dmi.store import schema as S
 from megatron.core.dmi.store.backend import Backend
@@ -171,8 +172,8 @@ class IngestResult:
     verified: dict[tuple[str, int, int], list[int]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     # Wall seconds by stage: waiting for segments to be read and verified (the reading thread works while
-    # batches are inserted), inserting batches, reading them back, recording and retiring segments
-    # (benchmarks/ingest_throughput.py reports the read-back's share).
+    # batches are inserted), inserting batches, reading them back (both summed over the insert streams),
+    # recording and retiring segments (benchmarks/ingest_throughput.py reports the read-back's share).
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
     def add(self, other: IngestResult) -> None:
@@ -250,6 +251,9 @@ def ingest_spool(
     known: set[str] | None = None,
     credited: set[str] | None = None,
     max_batch_bytes: int = 256 << 20,
+    streams: int = 1,
+    hold: set[str] | frozenset[str] = frozenset(),
+    left: set[str] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> IngestResult:
     """Load every complete segment under ``spool_root`` that the store does not hold yet.
@@ -264,8 +268,14 @@ def ingest_spool(
     store's file system has less than ``min_free_bytes()`` free. ``progress(n_bytes)`` is called as
     segments are consumed. A tensor segment's records count in ``IngestResult.verified`` once all
     of them are read back, even if its derived rows were not (it then stays for those), and only
-    once per id in ``credited`` (pass the same set to every pass).
+    once per id in ``credited`` (pass the same set to every pass). Up to ``streams`` batches are inserted and
+    read back at once, each on its own connection (a server's inserts are independent; the embedded store
+    takes them one after the other); each is recorded and retired once it is read back, in the order taken.
+    Segments whose id is in ``hold`` are not taken (they stay in the spool); the ids of the segments this
+    pass took and did not load (refused, not read back whole, ingest paused) are added to ``left``.
     """
+    if streams < 1:
+        raise InvalidArgumentError(f"streams must be >= 1, not {streams}")
     if known is None:
         known = known_segment_ids(backend)
     ingest = _IngestPass(
@@ -275,16 +285,22 @@ def ingest_spool(
         known=known,
         credited=set() if credited is None else credited,
         max_batch_bytes=max_batch_bytes,
+        streams=streams,
+        hold=hold,
     )
     if ingest.too_full():  # not even worth reading the segments
         ingest.res.note(ingest.res.paused)
         return ingest.res
-    return ingest.run(list_segments(spool_root, ranks), progress)
+    try:
+        return ingest.run(list_segments(spool_root, ranks), progress)
+    finally:
+        if left is not None:
+            left |= ingest.taken - ingest.retired
 
 
 class _IngestPass:
-    """One pass of ``ingest_spool``: its result, the segment ids it skips and credits, and the
-    verified segments queued per kind until their batch is committed."""
+    """One pass of ``ingest_spool``: its result, the segment ids it skips and credits, the verified
+    segments queued per kind until their batch is committed, and the batches being inserted."""
 
     def __init__(
         self,
@@ -295,6 +311,8 @@ class _IngestPass:
         known: set[str],
         credited: set[str],
         max_batch_bytes: int,
+        streams: int,
+        hold: set[str] | frozenset[str],
     ):
         self.backend = backend
         self.spool_root = spool_root
@@ -307,6 +325,13 @@ class _IngestPass:
         self.pending: dict[str, list[_Pending]] = {}
         self.pending_bytes: dict[str, int] = {}
         self.numbering: dict[str, tuple[int, int, set[int]]] = {}  # raw writer -> (first seq, rank, seqs seen)
+        self.streams = streams
+        self.inserting: ThreadPoolExecutor | None = None  # the insert streams (None: insert on this thread)
+        self.in_flight: deque[tuple[str, list[_Pending], pa.Table, Future]] = deque()  # in the order taken
+        self.seconds_lock = threading.Lock()  # the streams time their stages too
+        self.hold = hold
+        self.taken: set[str] = set()  # ids of the segments queued for a batch
+        self.retired: set[str] = set()  # ... and of those loaded
 
     def too_full(self) -> bool:
         """Whether ingest is paused: the store's file system is below the free-space margin."""
@@ -322,9 +347,14 @@ class _IngestPass:
         """Take every segment, commit what is still queued, then look for missing raw segments."""
         raw_on_disk = {(s.rank, s.seq) for s in segments if s.raw}  # damaged ones too: those are not missing
         # A reading thread verifies the next segment while this one is queued and its batch inserted:
-        # reading (pyarrow, zlib) and inserting (chDB) both release the GIL, so they overlap. One segment
-        # ahead bounds what is held in memory; everything else (skip, queue, commit, retire) stays here, in order.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmi-ingest-read") as reader:
+        # reading (pyarrow, zlib) and inserting (chDB, or a server's HTTP request) both release the GIL, so they
+        # overlap. One segment ahead bounds what is held in memory; everything else (skip, queue, commit, settle,
+        # retire) stays here, in order; only the inserts and their read-backs run on the insert streams.
+        with (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmi-ingest-read") as reader,
+            ThreadPoolExecutor(max_workers=self.streams, thread_name_prefix="dmi-ingest-stream") as streams,
+        ):
+            self.inserting = streams if self.streams > 1 else None
             ahead = reader.submit(self.read_ahead, segments[0]) if segments else None
             for i, seg in enumerate(segments):
                 current = ahead
@@ -333,22 +363,26 @@ class _IngestPass:
                 self.take(seg, current)
                 if progress:
                     progress(size)
-        for kind in list(self.pending):
-            self.commit(kind)
+            for kind in list(self.pending):
+                self.commit(kind)
+            while self.in_flight:
+                self.settle(*self.in_flight.popleft())
         _check_numbering(self.backend, self.numbering, raw_on_disk, self.res)
         if self.res.paused:
             self.res.note(self.res.paused)
         return self.res
 
     def read_ahead(self, seg: Segment) -> VerifiedSegment | None:
-        """The reading thread's work: ``verify_segment(seg)``, or None for a segment the store holds already."""
-        if peek_segment_id(seg) in self.known:
+        """The reading thread's work: ``verify_segment(seg)``, or None for a segment the store holds already or
+        that is held back."""
+        sid = peek_segment_id(seg)
+        if sid in self.known or sid in self.hold:
             return None
         return verify_segment(seg)
 
     def take(self, seg: Segment, read: Future | None = None) -> None:
-        """Skip a segment the store holds, reject one that cannot be read, else queue it verified (by ``read``,
-        the reading thread's ``read_ahead``, or here)."""
+        """Skip a segment the store holds, leave one held back, reject one that cannot be read, else queue it
+        verified (by ``read``, the reading thread's ``read_ahead``, or here)."""
         try:
             sid = peek_segment_id(seg)
             if seg.raw:
@@ -358,6 +392,8 @@ class _IngestPass:
                 self.res.segments_skipped += 1
                 if self.delete:
                     _retire(seg, keep=False)
+                return
+            if sid in self.hold:
                 return
             with self.timed("verify"):
                 verified = read.result() if read is not None else None
@@ -395,19 +431,33 @@ class _IngestPass:
                 _retire(seg, keep=True)
             return
         self.pending.setdefault(seg.kind, []).append(_Pending(seg, sid, v.table, problems))
+        self.taken.add(sid)
         self.pending_bytes[seg.kind] = self.pending_bytes.get(seg.kind, 0) + v.table.nbytes
         if self.pending_bytes[seg.kind] >= self.max_batch_bytes:
             self.commit(seg.kind)
 
     def commit(self, kind: str) -> None:
-        """Insert a kind's queued batch, read it back, and record and retire the segments fully stored."""
+        """Insert a kind's queued batch and read it back (on an insert stream when there are several, waiting
+        for the oldest batch in flight when all are busy), then settle it."""
         batch = self.pending.pop(kind, [])
         self.pending_bytes.pop(kind, None)
         if not batch or self.too_full():
             return
         tables = [p.table for p in batch]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        missing, derived_missing, refused = self.insert(kind, table)
+        if self.inserting is None:
+            self.settle(kind, batch, table, self.insert(kind, table))
+            return
+        while len(self.in_flight) >= self.streams:
+            self.settle(*self.in_flight.popleft())
+        self.in_flight.append((kind, batch, table, self.inserting.submit(self.insert, kind, table)))
+
+    def settle(self, kind: str, batch: list[_Pending], table: pa.Table, inserted) -> None:
+        """Credit what a batch's read-back found, and record and retire the segments fully stored; ``inserted``
+        is what ``insert`` returned, or the future of it."""
+        if isinstance(inserted, Future):
+            inserted = inserted.result()
+        missing, derived_missing, refused = inserted
         self.credit(kind, batch, missing)
         _test_crash_point("after_read_back", kind)
         if refused is not None:
@@ -432,11 +482,13 @@ class _IngestPass:
         try:
             yield
         finally:
-            self.res.seconds[stage] += time.perf_counter() - t0
+            with self.seconds_lock:
+                self.res.seconds[stage] += time.perf_counter() - t0
 
     def insert(self, kind: str, table: pa.Table) -> tuple[np.ndarray, int, Exception | None]:
         """Insert a batch (and its derived rows) and read it back: the batch's rows not found, the
-        derived rows not found, and the error that refused the insert or the read-back (or None)."""
+        derived rows not found, and the error that refused the insert or the read-back (or None). Runs on
+        an insert stream: it touches nothing of the pass but its stage times."""
         refused = None
         try:
             with self.timed("insert"):
@@ -527,6 +579,7 @@ class _IngestPass:
         """Count recorded segments as loaded and, when the store owns the spool, retire them."""
         for p in done:
             self.known.add(p.sid)
+            self.retired.add(p.sid)
             self.res.segments_loaded += 1
             self.res.segments_partial += bool(p.problems)
             self.res.rows += p.table.num_rows

@@ -1,18 +1,22 @@
 """The per-node ingester, a process of its own: training processes only spool, and this process
-owns the embedded chDB store and loads every rank's closed spool segments into it.
+loads every rank's closed spool segments into the store: the embedded chDB store, which it owns, or
+a ClickHouse server (``--clickhouse-url``), into which it inserts with several streams.
 
 Two ends:
 
 * ``serve`` runs in the ingester process (``megatron-dmi ingest STORE [--follow]``). It opens the
-  store, or stands down when another process holds it (that process ingests every rank folder,
-  ours included). Then it makes a pass (``ingest_spool``: verified, loaded segments deleted)
-  whenever it is woken and at least every ``poll_s`` seconds, until it is told to finish, its
-  control stream ends or its parent dies; then a final pass, and it exits. After every pass it
-  publishes its status: one JSON line on stdout (for the training process that started it) and
+  store, or stands down when another process holds it (the chDB store's lock, or for a server the
+  spool's ``ingester.lock``: that process ingests every rank folder, ours included). Then it makes a
+  pass (``ingest_spool``: verified, read back, loaded segments deleted) whenever it is woken and at
+  least every ``poll_s`` seconds, until it is told to finish, its control stream ends or its parent
+  dies; then a final pass, and it exits. A server it cannot reach, or that refuses or loses inserts,
+  is retried with back-off while the segments wait in the spool. After every pass it publishes its
+  status: one JSON line on stdout (for the training process that started it) and
   ``<store>/ingester.json`` (for anyone else: ``watch``, a later run on the same store).
 * ``IngesterProcess`` runs in local rank 0's training process. It starts the ingester at a lower
-  CPU priority with a bounded number of chDB threads, wakes it when a segment closes, keeps its
-  latest status, restarts it when it dies, and at the end asks for the final pass and waits.
+  CPU priority with a bounded number of chDB threads (or insert streams into a server), wakes it
+  when a segment closes, keeps its latest status, restarts it when it dies, and at the end asks for
+  the final pass and waits.
 
 Why a process: inserting and verifying take whole cores and hold the GIL in stretches; inside a
 training process they compete with a host-bound step's kernel launches.
@@ -20,6 +24,7 @@ training process they compete with a host-bound step's kernel launches.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -35,22 +40,33 @@ from dataclasses import dataclass, field
 
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.store import schema as S
-from megatron.core.dmi.store.backend import ChdbBackend, StoreBusyError
+from megatron.core.dmi.store.backend import Backend, BackendError, ChdbBackend, ServerBackend, StoreBusyError
 from megatron.core.dmi.store.ingest import IngestResult, ingest_spool, known_segment_ids
 from megatron.core.dmi.store.segments import list_segments
+from megatron.core.dmi.store_address import PASSWORD_ENV
 
 log = logging.getLogger("megatron.core.dmi.sinks")
 
 STATUS_FILE = "ingester.json"  # in the store folder, beside chdb/ and spool/
+SPOOL_LOCK = "ingester.lock"  # in the store folder: a server's ingester holds it (chDB's store has its own lock)
+RETRY_S = (5.0, 60.0)  # a server that fails a pass is tried again after 5 s, doubling up to 60 s
 EXIT_STANDING_DOWN = 3  # another process holds the store
 MAX_RESTARTS = 3  # an ingester that keeps dying is left dead; the spool keeps the records
 TEST_RENAME_ENV = "DMI_TEST_RENAME_TENSORS"  # test-only: see _Service._test_rename_tensors
-SYNC_WORD = re.compile(r"sync (\d+)")
+SYNC_WORD = re.compile(r"sync (\d+)( close)?")
+CLOSING_TRIES = 3  # passes a closing sync gives segments that a pass left in the spool
 
 
 def default_ingest_threads() -> int:
     """The ingester's chDB threads: a quarter of the cores, 1 to 4 (the training keeps the rest)."""
     return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def default_ingest_streams() -> int:
+    """The ingester's insert streams into a server: a quarter of the cores, 1 to 4, as its chDB threads. Each
+    stream keeps about one of the ingester's cores busy (reading and verifying segments, encoding Arrow, the
+    HTTP request, the read-back), and the training keeps the rest of the node's cores."""
+    return default_ingest_threads()
 
 
 class IngesterError(DMIError, RuntimeError):
@@ -119,7 +135,8 @@ def live_ingester(store_dir: str) -> IngesterStatus | None:
 
 class _Control:
     """The ingester's control stream: lines ``wake``, ``sync <n>`` (a pass now, then a status that says
-    ``synced: n``) and ``final``; the stream's end means final too."""
+    ``synced: n``), ``sync <n> close`` (the same, for the run's report: see ``serve``) and ``final``; the
+    stream's end means final too."""
 
     def __init__(self, stream):
         self.fd = stream.fileno() if stream is not None else None
@@ -152,40 +169,84 @@ class _Control:
 
 
 class _Service:
-    """The store-owning side of ``serve``: the backend, the segment ids it knows, and its status."""
+    """The store-owning side of ``serve``: the backend, the segment ids it knows, and its status. For a server:
+    whether it is reachable, and when to try it again."""
 
-    def __init__(self, store_dir: str, database: str, threads: int, codec: str | None):
+    def __init__(
+        self, store_dir: str, database: str, threads: int, codec: str | None, url: str | None = None, streams: int = 1
+    ):
         self.store_dir = store_dir
         self.spool_root = os.path.join(store_dir, "spool")
-        self.backend = ChdbBackend(os.path.join(store_dir, "chdb"), database)  # StoreBusyError: stand down
-        try:
-            self.backend.ensure_schema(codec)  # a new store's payload codec; an existing one keeps its own
-            # chDB's query and insert pools: the training keeps the other cores
-            self.backend.command(f"SET max_threads = {int(threads)}")
-            self.backend.command(f"SET max_insert_threads = {int(threads)}")
-            self.known = known_segment_ids(self.backend)
-        except BaseException:
-            self.backend.close()
-            raise
-        self.credited: set[str] = set()
+        self.codec = codec
+        self.streams = streams
+        self.url = url
         self.result = IngestResult()
-        self.status = IngesterStatus(os.getpid(), socket.gethostname(), "ingesting", True, time.time())
+        self.known: set[str] = set()
+        self.credited: set[str] = set()
+        self.connected = False
+        self.retry_s = RETRY_S[0]
+        self.retry_at = 0.0  # monotonic time of the next try, after a failed one
         self.paused = False
         self.renamed = False  # the test-only rename fault fired
+        self.left: set[str] = set()  # ids of the segments the last pass took and did not load
+        self.held: set[str] = set()  # ids left by the closing sync, which later passes leave alone
+        self._lock_fd: int | None = None
+        self.backend: Backend
+        if url:
+            self._lock_fd = _lock_spool(store_dir)  # StoreBusyError: stand down
+            self.backend = ServerBackend(url, database)  # the password: $DMI_CLICKHOUSE_PASSWORD (from the supervisor)
+            self.connect()  # an unreachable server is retried at the next passes
+        else:
+            self.backend = ChdbBackend(os.path.join(store_dir, "chdb"), database)  # StoreBusyError: stand down
+            try:
+                self.backend.ensure_schema(codec)  # a new store's payload codec; an existing one keeps its own
+                # chDB's query and insert pools: the training keeps the other cores
+                self.backend.command(f"SET max_threads = {int(threads)}")
+                self.backend.command(f"SET max_insert_threads = {int(threads)}")
+                self.known = known_segment_ids(self.backend)
+            except BaseException:
+                self.backend.close()
+                raise
+            self.connected = True
+        self.status = IngesterStatus(os.getpid(), socket.gethostname(), "ingesting", True, time.time())
 
-    def run_pass(self) -> None:
-        self._test_rename_tensors()
+    def connect(self) -> bool:
+        """(Re)connect to the server: its tables (created with our codec if missing, a wrong schema version
+        raised) and the segment ids it holds. False, with the outage noted and the next try scheduled, when it
+        cannot be reached or refuses."""
         try:
-            r = ingest_spool(self.backend, self.spool_root, delete=True, known=self.known, credited=self.credited)
-        except Exception as e:  # last resort: one failed pass must not end the ingester; the next retries
-            r = IngestResult()
-            r.note(f"ingest pass failed: {type(e).__name__}: {e}")
-        self.result.add(r)
-        if r.paused and not self.paused:  # loud once per episode; the status and the report carry it too
-            log.warning("DMI ingester: %s", r.paused)
-        elif self.paused and not r.paused:
-            log.warning("DMI ingester: ingest resumed: the store's file system has room again")
-        self.paused = bool(r.paused)
+            self.backend.ensure_schema(self.codec)
+            self.known = known_segment_ids(self.backend)
+        except BackendError as e:
+            self.failed(f"{e}")
+            return False
+        if self.retry_at:
+            log.warning("DMI ingester: ClickHouse %s answers again; loading the spool", self.backend.description)
+        self.connected = True
+        return True
+
+    def failed(self, why: str) -> None:
+        """A server pass that did not load everything it took, ``why`` (naming the server): noted (logged at the
+        first of an outage), and the next try waits (``RETRY_S``, doubling)."""
+        msg = f"{why}; segments wait in {self.spool_root} and are retried"
+        if not self.retry_at:
+            log.warning("DMI ingester: %s after %.0f s, then up to every %.0f s", msg, self.retry_s, RETRY_S[1])
+        if msg not in self.result.errors:
+            self.result.errors.append(msg[:2000])
+        self.retry_at = time.monotonic() + self.retry_s
+        self.retry_s = min(RETRY_S[1], self.retry_s * 2)
+
+    def run_pass(self, forced: bool = False) -> None:
+        """A pass over the spool, then the status. A server in back-off after a failed pass is left alone until
+        its next try is due, unless ``forced`` (a sync, the final pass)."""
+        if self.url and (forced or time.monotonic() >= self.retry_at):
+            self._server_pass()
+        elif not self.url:
+            self._test_rename_tensors()
+            r, broke = self._ingest()
+            if broke is not None:  # one failed pass must not end the ingester; the next retries
+                r.note(f"ingest pass failed: {type(broke).__name__}: {broke}")
+            self._add(r)
         self.credited -= self.known  # recorded in dmi.segments, so retired: nothing left to say about them
         left = list_segments(self.spool_root)
         s = self.status
@@ -196,6 +257,55 @@ class _Service:
         s.oldest_waiting = min((_mtime(seg.path) for seg in left), default=0.0)
         s.result = self.result.to_dict()
         s.credited_waiting = sorted(self.credited)
+
+    def _server_pass(self) -> None:
+        if not self.connected and not self.connect():
+            return
+        self._test_rename_tensors()
+        r, broke = self._ingest()
+        self._add(r)
+        if broke is not None or r.segments_unverified:
+            self.connected = broke is None  # unreachable: the next try checks the tables again
+            if isinstance(broke, BackendError):
+                self.failed(str(broke))
+            elif broke is not None:
+                self.failed(
+                    f"ingest pass into ClickHouse {self.backend.description} failed: {type(broke).__name__}: {broke}"
+                )
+            else:
+                self.failed(
+                    f"ClickHouse {self.backend.description} did not take {r.segments_unverified} spool segment(s) in "
+                    "a pass (see the errors before)"
+                )
+        elif self.retry_at:
+            self.retry_at, self.retry_s = 0.0, RETRY_S[0]
+
+    def _ingest(self) -> tuple[IngestResult, Exception | None]:
+        """A pass of ``ingest_spool``, and the error that ended it early (None: it ran through); ``left`` becomes
+        what it took and did not load."""
+        self.left = left = set()
+        try:
+            r = ingest_spool(
+                self.backend,
+                self.spool_root,
+                delete=True,
+                known=self.known,
+                credited=self.credited,
+                streams=self.streams,
+                hold=self.held,
+                left=left,
+            )
+            return r, None
+        except Exception as e:  # last resort: the caller says what it means
+            return IngestResult(), e
+
+    def _add(self, r: IngestResult) -> None:
+        self.result.add(r)
+        if r.paused and not self.paused:  # loud once per episode; the status and the report carry it too
+            log.warning("DMI ingester: %s", r.paused)
+        elif self.paused and not r.paused:
+            log.warning("DMI ingester: ingest resumed: the store's file system has room again")
+        self.paused = bool(r.paused)
 
     def _test_rename_tensors(self) -> None:
         """Test-only (tests/fault_tests/test_faults.py): once the file ``$DMI_TEST_RENAME_TENSORS`` names
@@ -220,8 +330,38 @@ class _Service:
             except (BrokenPipeError, ValueError):  # the training process is gone; the file still says it
                 pass
 
+    def close_sync(self) -> None:
+        """After the pass of a closing sync, which the run's report is settled from: give what it left up to
+        ``CLOSING_TRIES`` passes in all while the store takes inserts, then hold back what is still left, so the
+        store holds what the report says (those segments wait in the spool for a later ingester or ``load``)."""
+        for _ in range(CLOSING_TRIES - 1):
+            if not self.left or self.paused or not self.connected:
+                break
+            self.run_pass(forced=True)
+        self.held |= self.left
+
     def close(self) -> None:
         self.backend.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # drops the flock
+
+
+def _lock_spool(store_dir: str) -> int:
+    """Make this process the one ingester of the store folder's spool (another one would delete segments this
+    one reads); StoreBusyError names the holder's pid. Returns the lock's file descriptor."""
+    os.makedirs(store_dir, exist_ok=True)
+    fd = os.open(os.path.join(store_dir, SPOOL_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StoreBusyError(
+            f"the spool of {store_dir} is ingested by another process (pid {holder}), which loads it into its store"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _mtime(path: str) -> float:
@@ -251,12 +391,16 @@ def serve(
     threads: int | None = None,
     nice: int = 0,
     codec: str | None = None,
+    url: str | None = None,
+    streams: int | None = None,
     control=None,
     out=None,
     interrupt_finishes: bool = False,
 ) -> int:
     """The ingester process's main loop (see the module's docstring); returns its exit status: 0, or
-    ``EXIT_STANDING_DOWN`` when another process holds the store. ``control``: the stream of ``wake`` /
+    ``EXIT_STANDING_DOWN`` when another process holds the store. ``url``: the ClickHouse server to load the
+    spool into (None: the embedded store under ``store_dir``; ``threads``: its chDB threads), with ``streams``
+    parallel inserts (None: ``default_ingest_streams()``); ``control``: the stream of ``wake`` / ``sync <n>`` /
     ``final`` lines (None: poll only); ``out``: where status lines go (None: the status file only);
     ``codec``: the payload codec of a store created now (``schema.PAYLOAD_CODECS``; None: the default);
     ``interrupt_finishes``: Ctrl-C ends ``follow`` with a final pass (by hand) instead of being ignored
@@ -271,7 +415,9 @@ def serve(
     signal.signal(signal.SIGTERM, finish)
     signal.signal(signal.SIGINT, finish if interrupt_finishes else signal.SIG_IGN)
     try:
-        svc = _Service(store_dir, database, threads or default_ingest_threads(), codec)
+        svc = _Service(
+            store_dir, database, threads or default_ingest_threads(), codec, url, streams or default_ingest_streams()
+        )
     except StoreBusyError as e:
         standing = IngesterStatus(os.getpid(), socket.gethostname(), "standing down", False, time.time(), str(e))
         if out is not None:
@@ -291,8 +437,12 @@ def serve(
     try:
         svc.publish(out)  # owner from now on
         last = not follow
+        forced = last  # a sync's pass and the final one do not wait for a server's back-off
+        closing = False
         while True:
-            svc.run_pass()
+            svc.run_pass(forced)
+            if closing:
+                svc.close_sync()
             if sync or last:  # a pass the training waits for: say whether it left the spool empty
                 svc.status.synced = sync
                 svc.status.complete_at = time.time() if svc.status.waiting_segments == 0 else 0.0
@@ -301,8 +451,10 @@ def serve(
             svc.publish(out)
             word = ctl.wait(poll_s)
             last = word == "final" or finishing.is_set() or os.getppid() != parent
+            forced, closing = last, False
             if word and SYNC_WORD.fullmatch(word):
                 sync = int(SYNC_WORD.fullmatch(word).group(1))
+                forced, closing = True, bool(SYNC_WORD.fullmatch(word).group(2))
         svc.status.state = "done"
         svc.publish(out)
     finally:
@@ -327,14 +479,22 @@ class IngesterProcess:
         threads: int | None = None,
         nice: int = 10,
         codec: str | None = None,
+        url: str | None = None,
+        password: str | None = None,
+        streams: int | None = None,
     ):
-        """An ingester for the store under ``store_dir`` (``start`` launches it): a pass every ``poll_s``
-        seconds or when woken, ``threads`` chDB threads, at CPU priority ``nice`` (added to ours); a store it
-        creates gets payload codec ``codec`` (None: the default)."""
+        """An ingester of the spool under ``store_dir`` (``start`` launches it): a pass every ``poll_s``
+        seconds or when woken, at CPU priority ``nice`` (added to ours), into the embedded store under
+        ``store_dir`` with ``threads`` chDB threads or, with ``url``, into that ClickHouse server with
+        ``streams`` parallel inserts (its ``password`` reaches the process in its environment, never its
+        arguments); a store it creates gets payload codec ``codec`` (None: the default)."""
         self.store_dir = store_dir
         self.database = database
         self.poll_s = poll_s
         self.threads = threads or default_ingest_threads()
+        self.url = url
+        self.password = password
+        self.streams = streams or default_ingest_streams()
         self.nice = nice
         self.codec = codec
         self.restarts = 0
@@ -367,11 +527,14 @@ class IngesterProcess:
             self.database,
             "--poll-seconds",
             str(self.poll_s),
-            "--threads",
-            str(self.threads),
             "--nice",
             str(self.nice),
         ]
+        cmd += (
+            ["--clickhouse-url", self.url, "--streams", str(self.streams)]
+            if self.url
+            else ["--threads", str(self.threads)]
+        )
         cmd += ["--codec", self.codec] if self.codec else []
         # --control: status lines on stdout (a one-pass ingester's too: what it loads joins the report)
         cmd += ["--control", "stdin"] + (["--follow"] if follow else [])
@@ -379,7 +542,11 @@ class IngesterProcess:
             # its own session: a terminal's Ctrl-C or a kill of the training's process group does not
             # cut an insert short; it learns of the end from its control stream
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True, env=_child_env()
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                start_new_session=True,
+                env=_child_env(self.password),
             )
         except OSError as e:
             raise IngesterError(f"cannot start the DMI ingester ({' '.join(cmd[:4])} ...): {e}") from e
@@ -499,8 +666,9 @@ class IngesterProcess:
 
     def sync(self, closing: bool = True) -> IngestResult:
         """A pass now, and wait for it. ``closing``: every rank's sink is closed, so it loads all they
-        spooled, and from here on a dead ingester is not restarted (one pass in a fresh one stands in).
-        Returns what this run's ingesters did."""
+        spooled, and from here on a dead ingester is not restarted (one pass in a fresh one stands in); the
+        report is settled from this pass, so the ingester gives what the pass could not load a few more tries,
+        then leaves it in the spool for good (``_Service.close_sync``). Returns what this run's ingesters did."""
         self._known_owner.wait(60)  # a run shorter than the ingester's start: let it say whether it stands down
         with self._lock:
             self._finishing = self._finishing or closing
@@ -509,7 +677,7 @@ class IngesterProcess:
             ticket = self._sync
         if standing_down:
             return self.result
-        self._say(f"sync {ticket}\n".encode())
+        self._say(f"sync {ticket}{' close' if closing else ''}\n".encode())
         since = time.monotonic()
         while not self._synced(ticket) and self.alive():
             self._changed.wait(30)
@@ -564,9 +732,12 @@ class IngesterProcess:
             self._reader.join()
 
 
-def _child_env() -> dict:
-    """The training's environment for the ingester, minus what would make it a torch.distributed rank."""
+def _child_env(password: str | None) -> dict:
+    """The training's environment for the ingester, minus what would make it a torch.distributed rank, plus the
+    server's ``password`` where one is given (the training may have read it from a file)."""
     env = dict(os.environ)
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    if password:
+        env[PASSWORD_ENV] = password
     return env

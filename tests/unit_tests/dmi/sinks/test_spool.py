@@ -212,14 +212,14 @@ def test_every_sink_answers_the_whole_sink_contract(tmp_path):
 
 
 def test_store_lag_counts_what_a_store_query_cannot_see_yet(tmp_path):
-    from megatron.core.dmi.sinks import EmbeddedSink
+    from megatron.core.dmi.sinks import StoreSink
 
     recs = moe_records()
     spool_only = SpoolSink("run-a", ParallelCoords(), str(tmp_path / "spool"), writers=1)
     assert spool_only.store_lag() is None  # no store at all
     spool_only.close()
     # A non-ingesting rank of the embedded store: its segments wait for the node's ingester.
-    sink = EmbeddedSink(
+    sink = StoreSink(
         str(tmp_path / "store"), "run-a", ParallelCoords(rank=1), is_ingester=False, writers=1, segment_records=10
     )
     sink.write(recs[:8])

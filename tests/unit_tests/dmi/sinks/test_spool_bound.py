@@ -20,7 +20,7 @@ import torch
 from megatron.core.dmi.config import DMIConfig, SpoolBoundError
 from megatron.core.dmi.drain import Drain
 from megatron.core.dmi.key import ParallelCoords, RecordKey
-from megatron.core.dmi.sinks import EmbeddedSink, open_sink
+from megatron.core.dmi.sinks import StoreSink, open_sink
 from megatron.core.dmi.store.segments import list_segments, read_segment
 from megatron.core.dmi.transport.native import NativeRingTransport
 from megatron.core.dmi.transport.torch_ring import TorchRingTransport
@@ -50,9 +50,9 @@ def open_transport(kind: str, on_full: str, block_timeout: float = DMIConfig.blo
     return NativeRingTransport(RING_BYTES, on_full, "cpu", block_timeout=block_timeout)
 
 
-def bounded_sink(tmp_path, max_bytes: int = 1) -> EmbeddedSink:
+def bounded_sink(tmp_path, max_bytes: int = 1) -> StoreSink:
     """A rank's sink whose every batch becomes a segment, and no ingester: its spool only grows."""
-    return EmbeddedSink(
+    return StoreSink(
         str(tmp_path / "store"),
         "run-b",
         ParallelCoords(rank=RANK),
@@ -193,7 +193,7 @@ def test_the_spool_backlog_counts_segments_until_they_are_ingested(tmp_path):
     os.unlink(seg.path)  # what the ingester does once it loaded the segment
     assert sink.spool_backlog().waiting_bytes == 0
     sink.close()
-    unbounded = EmbeddedSink(str(tmp_path / "other"), "run-b", ParallelCoords(rank=RANK), is_ingester=False)
+    unbounded = StoreSink(str(tmp_path / "other"), "run-b", ParallelCoords(rank=RANK), is_ingester=False)
     assert unbounded.spool_backlog() is None
     unbounded.close()
 

@@ -166,7 +166,7 @@ def write_embedded(
     drops=(),
     batch: int = 5,
 ) -> dict:
-    """One rank's EmbeddedSink: write everything, close; returns the report as a dict."""
+    """One rank's StoreSink: write everything, close; returns the report as a dict."""
     cfg = DMIConfig(persist="clickhouse", store_dir=store_dir)
     sink = open_sink(cfg, ParallelCoords(rank=rank), records[0].key.run_id if records else RUN, is_ingester)
     for info in infos:
@@ -336,9 +336,9 @@ def run_plot_example(store_dir: str, out_dir: str) -> list[str]:
 
 def ingest_while_running(store_dir: str) -> dict:
     """The ingester thread loads flushed segments during the run, not only at close."""
-    from megatron.core.dmi.sinks import EmbeddedSink
+    from megatron.core.dmi.sinks import StoreSink
 
-    sink = EmbeddedSink(store_dir, RUN, ParallelCoords(rank=0), True, ingest_poll_s=0.1)
+    sink = StoreSink(store_dir, RUN, ParallelCoords(rank=0), True, ingest_poll_s=0.1)
     sink.write_run(run_info())
     sink.write(moe_records())
     sink.flush()

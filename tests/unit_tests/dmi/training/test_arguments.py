@@ -66,7 +66,7 @@ GIVEN = {
     "clickhouse_url": ("https://reader@db.example:8443", "https://reader@db.example:8443"),
     "clickhouse_database": ("runs_2", "runs_2"),
     "store_codec": ("zstd1", "zstd1"),
-    "ingest_threads": ("2", 2),
+    "ingest_streams": ("3", 3),
     "ingest_nice": ("5", 5),
     "interval": ("3", 3),
     "start_iter": ("2", 2),
@@ -84,8 +84,9 @@ GIVEN = {
     "replay_routing": ("/data/dmi@run-1", "/data/dmi@run-1"),
     "replay_missing": ("live", "live"),
 }
-# Flags whose given value cannot go with GIVEN's (the spool bound needs the default --dmi-persist).
-GIVEN_ALONE = {"spool_max_gb": ("2.5", 2.5)}
+# Flags whose given value cannot go with GIVEN's (the spool bound needs the default --dmi-persist, the chDB
+# threads the embedded store).
+GIVEN_ALONE = {"spool_max_gb": ("2.5", 2.5), "ingest_threads": ("2", 2)}
 
 
 def test_every_flag_round_trips_into_the_config(monkeypatch):
@@ -190,6 +191,22 @@ def test_a_spool_bound_without_a_store_stops_with_the_bound_flag_named():
         "error: argument --dmi-spool-max-gb: bounds the spool that a store takes away, and --dmi-persist spool "
         "has none (a spool-only run keeps every segment by design)"
     )
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--dmi-ingest-streams", "2"], "--dmi-ingest-streams"),
+        (["--dmi-clickhouse-url", "http://h:8123", "--dmi-ingest-threads", "2"], "--dmi-ingest-threads"),
+    ],
+)
+def test_an_ingester_setting_for_the_other_kind_of_store_stops_with_its_flag_named(argv, flag, monkeypatch):
+    monkeypatch.delenv("DMI_CLICKHOUSE_PASSWORD", raising=False)
+    ns = _parser().parse_args(argv)
+    ns.save = None
+    with pytest.raises(SystemExit) as e:
+        config_from_args(ns)
+    assert str(e.value.code).startswith(f"error: argument {flag}: sets the "), e.value.code
 
 
 def _megatron_args(*extra: str) -> argparse.Namespace:
