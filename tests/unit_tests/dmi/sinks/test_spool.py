@@ -197,12 +197,12 @@ def test_tensor_segments_are_fsynced_at_flush(tmp_path, monkeypatch):
 
 def test_every_sink_answers_the_whole_sink_contract(tmp_path):
     # The session reads these plainly, whatever the sink: none may leave one out.
-    from megatron.core.dmi.sinks import EmbeddedSink
+    from megatron.core.dmi.sinks import StoreSink
 
     sinks = [
         NullSink("run-a", ParallelCoords()),
         SpoolSink("run-a", ParallelCoords(), str(tmp_path / "spool"), writers=1),
-        EmbeddedSink(str(tmp_path / "store"), "run-a", ParallelCoords(rank=1), is_ingester=False, writers=1),
+        StoreSink(str(tmp_path / "store"), "run-a", ParallelCoords(rank=1), is_ingester=False, writers=1),
     ]
     for sink in sinks:
         assert sink.is_ingester is False, sink.name
