@@ -270,20 +270,25 @@ class NativeRingTransport(Transport):
         self._check_tensor(tensor)
         return self.publish_site(handle, tensor, ctx=_context_words(firing))
 
-    def publish_firings(self, handles: list[int], tensors: list[torch.Tensor], firings: list[Firing]) -> list[bool]:
+    def publish_firings(
+        self, handles: list[int], tensors: list[torch.Tensor], firings: Firing | list[Firing]
+    ) -> list[bool]:
         """The outputs of one hook firing in one native call per ``MAX_GROUP`` records, which reserves
-        and copies them all (on a GPU: one pair of launches). On a GPU every record reads True (the
-        device decides; see ``stats``); on the host, whether it was accepted."""
+        and copies them all (on a GPU: one pair of launches). ``firings``: one per record, or one
+        ``Firing`` that every record shares. On a GPU every record reads True (the device decides; see
+        ``stats``); on the host, whether it was accepted."""
         if self._closed:
             raise TransportStateError("transport is closed")
-        if len(tensors) > self.MAX_GROUP:
+        n = len(tensors)
+        shared = isinstance(firings, Firing)
+        if n > self.MAX_GROUP:
             return [
                 ok
-                for start in range(0, len(tensors), self.MAX_GROUP)
+                for start in range(0, n, self.MAX_GROUP)
                 for ok in self.publish_firings(
                     handles[start : start + self.MAX_GROUP],
                     tensors[start : start + self.MAX_GROUP],
-                    firings[start : start + self.MAX_GROUP],
+                    firings if shared else firings[start : start + self.MAX_GROUP],
                 )
             ]
         # every source stays referenced until the call returns: a freed contiguous copy could be
@@ -291,18 +296,19 @@ class NativeRingTransport(Transport):
         sources = [self._source(t) for t in tensors]
         ptrs = [t.data_ptr() for t in sources]
         sizes = [t.nbytes for t in sources]
-        words = [w for f in firings for w in _context_words(f)]
+        words = _context_words(firings) * n if shared else [w for f in firings for w in _context_words(f)]
         if self._on_cuda:
             self._ring.publish_group(ptrs, sizes, handles, 1, words, self._stream())
-            return [True] * len(tensors)
+            return [True] * n
         return [code == ACCEPTED for code in self._ring.publish_group(ptrs, sizes, handles, 1, words)]
 
     def _source(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The contiguous tensor on this ring's device whose bytes a producer copies (checked against the ring)."""
+        """The contiguous tensor on this ring's device whose bytes a producer copies (checked against
+        the ring); a copy is made outside autograd (hooks publish with grad enabled)."""
         if tensor.device != self.device:
             self._check_tensor(tensor)
         if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
+            tensor = tensor.detach().contiguous()
         if tensor.nbytes > self.ring_bytes:
             self.check_fits(tensor.nbytes)
         return tensor

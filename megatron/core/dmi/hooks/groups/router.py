@@ -15,7 +15,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.core.dmi.hooks.groups.base import ModelFacts, Refusal, Shards, SiteInstaller, publish
+from megatron.core.dmi.hooks.groups.base import HookSite, ModelFacts, Refusal, Shards, SiteInstaller
 from megatron.core.dmi.key import ParallelCoords
 from megatron.core.dmi.transport import abi, jit
 
@@ -38,6 +38,7 @@ def pre_drop_visible():
         yield
     finally:
         mcore_router.apply_router_token_dropping = _original_token_dropping
+        _pre_drop.selection = None
 
 
 def take_pre_drop() -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -140,38 +141,49 @@ def refusal(outputs: frozenset[str], facts: ModelFacts) -> Refusal | None:
     return None
 
 
+# what the router's wrapper hands its HookSite, in this order (the order of the firing's records)
+OUTPUTS = ("router.logits", "router.topk_ids", "router.topk_probs", "router.expert_counts", "router.selected")
+_SELECTION = frozenset(OUTPUTS[1:4])  # the outputs ``select`` computes together
+
+
 def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelCoords) -> None:
-    """router.* of one MoE layer: its TopKRouter's ``routing`` wrapped until ``HookSet.remove``."""
+    """router.* of one MoE layer: its TopKRouter's ``routing`` wrapped until ``HookSet.remove``
+    (not wrapped where this rank publishes none of them at this layer)."""
     router = getattr(getattr(module, "mlp", None), "router", None)
     if not isinstance(router, TopKRouter):
         return
     layer = module.layer_number - 1
+    hooks.placed(layer, GROUP)
+    capture = hooks.capture
+    site = HookSite(capture, layer, Shards.of(router.config, coords), OUTPUTS)
+    if not site.outputs:
+        return
     original = router.routing
-    shards = Shards.of(router.config, coords)
+    topk = router.topk
+    selecting = any(site.publishes(o) for o in _SELECTION)
+    pre_drop_selected = site.publishes("router.selected")
 
     def routing(logits: torch.Tensor, *args, **kwargs):
+        if capture.idle:
+            return original(logits, *args, **kwargs)
+        _pre_drop.selection = None  # only this call's capacity dropping counts
         probs, routing_map = original(logits, *args, **kwargs)
-        pre = take_pre_drop()
-        if hooks.capture.idle:
+        if not capture.recording():
             return probs, routing_map
-        flat_logits = logits.reshape(-1, logits.shape[-1])
+        pre = take_pre_drop()
         pre_probs, pre_map = pre if pre is not None else (probs, routing_map)
-        cached = {}
-
-        def selection():
-            if "v" not in cached:
-                cached["v"] = select(probs, routing_map, pre_probs, pre_map, router.topk)
-            return cached["v"]
-
-        values = {
-            "router.logits": flat_logits,
-            "router.topk_ids": lambda: selection()[0],
-            "router.topk_probs": lambda: selection()[1],
-            "router.expert_counts": lambda: selection()[2],
-            "router.selected": lambda: pre_drop_ids(pre_probs, pre_map, router.topk).to(torch.int32),
-        }
-        publish(hooks, layer, shards, flat_logits.shape[0], values)
+        flat_logits = logits.reshape(-1, logits.shape[-1])
+        ids = weights = counts = selected = None
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # a no_grad context costs microseconds more per firing
+        try:
+            if selecting:
+                ids, weights, counts = select(probs, routing_map, pre_probs, pre_map, topk)
+            if pre_drop_selected:
+                selected = pre_drop_ids(pre_probs, pre_map, topk).to(torch.int32)
+        finally:
+            torch._C._set_grad_enabled(grad)
+        site.publish(flat_logits.shape[0], (flat_logits, ids, weights, counts, selected))
         return probs, routing_map
 
     hooks.wrap(router, "routing", routing)
-    hooks.placed(layer, GROUP)
