@@ -291,27 +291,31 @@ class NativeRingTransport(Transport):
                     firings if shared else firings[start : start + self.MAX_GROUP],
                 )
             ]
-        # every source stays referenced until the call returns: a freed contiguous copy could be
-        # reused, and overwritten, by the next one before the producer reads it
-        sources = [self._source(t) for t in tensors]
-        ptrs = [t.data_ptr() for t in sources]
-        sizes = [t.nbytes for t in sources]
+        ptrs, sizes, copies = self._sources(tensors)
         words = _context_words(firings) * n if shared else [w for f in firings for w in _context_words(f)]
         if self._on_cuda:
             self._ring.publish_group(ptrs, sizes, handles, 1, words, self._stream())
             return [True] * n
         return [code == ACCEPTED for code in self._ring.publish_group(ptrs, sizes, handles, 1, words)]
 
-    def _source(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The contiguous tensor on this ring's device whose bytes a producer copies (checked against
-        the ring); a copy is made outside autograd (hooks publish with grad enabled)."""
-        if tensor.device != self.device:
-            self._check_tensor(tensor)
-        if not tensor.is_contiguous():
-            tensor = tensor.detach().contiguous()
-        if tensor.nbytes > self.ring_bytes:
-            self.check_fits(tensor.nbytes)
-        return tensor
+    def _sources(self, tensors) -> tuple[list[int], list[int], list[torch.Tensor]]:
+        """(addresses, byte counts, copies made) of the bytes a producer copies for ``tensors``, each
+        checked against the ring. A tensor that is not contiguous is copied, outside autograd (hooks
+        publish with grad enabled); the caller keeps the copies until its native call returns, or a
+        freed copy could be reused, and overwritten, by the next one before the producer reads it."""
+        ptrs, sizes, copies = [], [], []
+        for tensor in tensors:
+            if tensor.device != self.device:
+                self._check_tensor(tensor)
+            if not tensor.is_contiguous():
+                tensor = tensor.detach().contiguous()
+                copies.append(tensor)
+            nbytes = tensor.nbytes
+            if nbytes > self.ring_bytes:
+                self.check_fits(nbytes)
+            ptrs.append(tensor.data_ptr() if nbytes else 0)
+            sizes.append(nbytes)
+        return ptrs, sizes, copies
 
     def publish_site(
         self, site_id: int, tensor: torch.Tensor, mask: int = 1, ctx: tuple[int, ...] | None = None
@@ -325,9 +329,7 @@ class NativeRingTransport(Transport):
         decides; see stats)."""
         if self._closed:
             raise TransportStateError("transport is closed")
-        t = self._source(tensor)
-        nbytes = t.nbytes
-        ptr = t.data_ptr() if nbytes else 0
+        (ptr,), (nbytes,), copies = self._sources((tensor,))
         if self._on_cuda:
             self._ring.publish(ptr, nbytes, site_id, mask, self._stream(), ctx)
             return True

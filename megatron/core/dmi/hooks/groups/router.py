@@ -70,25 +70,35 @@ def select(
 
 
 def _kernel_takes(kernels, probs, routing_map, pre_probs, pre_map, topk: int) -> bool:
-    tensors = (probs, routing_map, pre_probs, pre_map)
-    return (
-        probs.is_cuda
-        and probs.dim() == 2
-        and all(t.device == probs.device and t.shape == probs.shape for t in tensors)
-        and probs.dtype in _KERNEL_DTYPES
-        and pre_probs.dtype == probs.dtype
-        and routing_map.dtype == pre_map.dtype == torch.bool
-        and 1 <= topk <= min(kernels.ROUTER_SELECT_MAX_K, probs.shape[1])
-        and probs.shape[1] <= kernels.ROUTER_SELECT_MAX_EXPERTS
-    )
+    """Whether the fused kernel takes these: [tokens, E] each on one CUDA device, the router's dtypes,
+    k and E within its limits. Without capacity dropping the pre-drop pair is the post-drop pair
+    itself and is not checked again (every firing asks)."""
+    if not probs.is_cuda or probs.dim() != 2 or probs.dtype not in _KERNEL_DTYPES or routing_map.dtype != torch.bool:
+        return False
+    shape, device = probs.shape, probs.device
+    if routing_map.shape != shape or routing_map.device != device:
+        return False
+    if pre_probs is not probs and (
+        pre_probs.shape != shape or pre_probs.device != device or pre_probs.dtype != probs.dtype
+    ):
+        return False
+    if pre_map is not routing_map and (
+        pre_map.shape != shape or pre_map.device != device or pre_map.dtype != torch.bool
+    ):
+        return False
+    experts = shape[1]
+    return 1 <= topk <= min(kernels.ROUTER_SELECT_MAX_K, experts) and experts <= kernels.ROUTER_SELECT_MAX_EXPERTS
 
 
 def _select_on_device(kernels, probs, routing_map, pre_probs, pre_map, topk: int):
-    probs, routing_map, pre_probs, pre_map = (t.contiguous() for t in (probs, routing_map, pre_probs, pre_map))
+    dropped = pre_probs is not probs or pre_map is not routing_map
+    probs, routing_map = probs.contiguous(), routing_map.contiguous()
+    pre_probs, pre_map = (pre_probs.contiguous(), pre_map.contiguous()) if dropped else (probs, routing_map)
     tokens, num_experts = probs.shape
-    ids = torch.empty((tokens, topk), dtype=torch.int32, device=probs.device)
-    weights = torch.empty((tokens, topk), dtype=probs.dtype, device=probs.device)
-    counts = torch.empty((2, num_experts), dtype=torch.int32, device=probs.device)
+    device = probs.device
+    ids = torch.empty((tokens, topk), dtype=torch.int32, device=device)
+    weights = torch.empty((tokens, topk), dtype=probs.dtype, device=device)
+    counts = torch.empty((2, num_experts), dtype=torch.int32, device=device)
     kernels.router_select(
         probs.data_ptr(),
         routing_map.data_ptr(),
@@ -101,7 +111,7 @@ def _select_on_device(kernels, probs, routing_map, pre_probs, pre_map, topk: int
         ids.data_ptr(),
         weights.data_ptr(),
         counts.data_ptr(),
-        torch._C._cuda_getCurrentRawStream(probs.device.index),  # no torch.cuda.Stream per firing
+        torch._C._cuda_getCurrentRawStream(device.index),  # no torch.cuda.Stream per firing
     )
     return ids, weights, counts
 
