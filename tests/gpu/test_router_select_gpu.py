@@ -71,6 +71,17 @@ def test_kernel_equals_reference_bitwise(kernels, dtype, tokens, experts, k, dro
     assert_same_bits(got, reference(*(t.cpu() for t in case), k))  # and on the CPU
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_capacity_dropping_the_pre_drop_pair_is_the_post_drop_pair(kernels, dtype):
+    """The router's usual call: no capacity factor, so its wrapper hands the same two tensors twice
+    (the kernel path then checks and copies them once)."""
+    probs, routing_map, _, _ = routing_case(1000, 16, 4, dtype, seed=3)
+    case = (probs, routing_map, probs, routing_map)
+    assert rc._kernel_takes(kernels, *case, 4)
+    assert_same_bits(rc._select_on_device(kernels, *case, 4), reference(*case, 4))
+    assert_same_bits(rc.select(*case, 4), reference(*(t.cpu() for t in case), 4))
+
+
 def test_odd_values_subnormals_signed_zero_nan_and_short_rows(kernels):
     probs, routing_map, pre_probs, pre_map = routing_case(64, 16, 4, torch.float32, seed=5)
     tiny = torch.tensor([1e-40, 2e-40, 3e-40, 1e-45], device="cuda")  # distinct float32 subnormals

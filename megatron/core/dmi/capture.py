@@ -10,10 +10,10 @@ fields of the forward that made the tensor (``gradient_firing``, ``publish_gradi
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -76,8 +76,12 @@ class Placement:
     shard_count: int = 1
 
     def __post_init__(self):
-        """Hash once: every firing looks its sites up by placement."""
-        object.__setattr__(self, "_hash", hash(dataclasses.astuple(self)))
+        """Hash once: sites are looked up by placement."""
+        object.__setattr__(
+            self,
+            "_hash",
+            hash((self.token_start, self.token_end, self.token_total, self.shard_index, self.shard_count)),
+        )
 
     def __hash__(self):
         """The hash computed at construction."""
@@ -92,6 +96,14 @@ class StepContext:
     iteration: int = 0
     microbatch: int = 0
     active: bool = False  # host gate: is this step captured at all
+
+
+class SiteRecord(NamedTuple):
+    """One record of a hook site, fixed for its shape: the output, its site key and its transport handle."""
+
+    output: str
+    key: RecordKey
+    handle: object
 
 
 @dataclass
@@ -111,21 +123,23 @@ class Capture:
         recorded whatever the step (they are gated on the device at every replay)."""
         self.config = config
         self.graphs = graphs
-        # Nothing to record in this step: every site returns on this one attribute (an eager MoE
-        # step is host-bound, and uncaptured steps are most steps).
+        # Nothing to record in this step, decided once per step (begin_step): every site returns on
+        # this one attribute (an eager MoE step is host-bound, and uncaptured steps are most steps).
         self.idle = True
         self.transport = transport
         self.run_id = run_id
         self.attempt = attempt
         self.step = StepContext()
+        # the step fields of this microbatch's original (not replayed) firings, shared by all of them
+        self._original = Firing(0, 0, attempt, self.step.phase, 0)
         self.stats = CaptureStats()
         # Originals awaiting their replay, per (layer, output, vpp): backward replays a chunk's
         # microbatches in the order their forwards ran, so a FIFO recovers the replay's microbatch.
         # A backward output queues there too when its original ran inside a checkpoint (see
         # gradient_firing).
         self._awaiting_replay: dict[tuple, collections.deque[int]] = collections.defaultdict(collections.deque)
-        # (output, layer, coords, placement, dtype, shape) -> (site key, transport handle), made once
-        self._sites: dict[tuple, tuple[RecordKey, object]] = {}
+        # (output, layer, coords, placement, dtype, shape) -> its record's site key and handle, made once
+        self._sites: dict[tuple, SiteRecord] = {}
         # Called with (layer, step, outputs) for every eager original forward firing that publishes,
         # e.g. the training side's TensorBoard scalars; they must not sync with the device.
         self.observers: list[Callable[[int, StepContext, dict[str, torch.Tensor]], None]] = []
@@ -136,47 +150,68 @@ class Capture:
         replay are forgotten."""
         self.step = StepContext(phase, iteration, 0, wanted and self.config.captures_iteration(phase, iteration))
         self.idle = not self.step.active and not self.graphs
+        self._original = Firing(iteration, 0, self.attempt, phase, 0)
         self._awaiting_replay.clear()
 
     def set_microbatch(self, microbatch: int) -> None:
         """Set the microbatch index of the current step."""
         self.step.microbatch = microbatch
+        self._original = self._original._replace(microbatch=microbatch)
+
+    def recording(self) -> bool:
+        """Whether a firing now, in a step that is not ``idle``, is recorded: not in a CUDA-graph
+        warm-up, and in a captured step or while a CUDA graph is being captured (the graph's producer
+        is gated on the device at every replay, so the step does not matter)."""
+        return not in_graph_warmup() and (self.step.active or capturing_graph())
 
     def wants(self, output: str, layer: int) -> bool:
-        """Selected output and layer, in a captured step; while a CUDA graph is being captured the
-        step does not matter: the graph's producer is gated on the device at every replay."""
-        if self.idle:
+        """Selected output and layer, and a firing now is recorded (``recording``)."""
+        if self.idle or output not in self.config.hooks or not self.config.captures_layer(layer):
             return False
-        if output not in self.config.hooks or not self.config.captures_layer(layer) or in_graph_warmup():
-            return False
-        return self.step.active or capturing_graph()
+        return self.recording()
+
+    def site(
+        self, output: str, layer: int, coords: ParallelCoords, where: Placement, tensor: torch.Tensor
+    ) -> SiteRecord:
+        """The record of ``output`` at ``layer`` with ``tensor``'s dtype and shape, placed at ``where``:
+        its site key and transport handle, made once per site (hooks fire every microbatch)."""
+        cache_key = (output, layer, coords, where, tensor.dtype, tensor.shape)
+        record = self._sites.get(cache_key)
+        if record is None:
+            key = self._site_key(output, layer, coords, tensor, where)
+            record = self._sites[cache_key] = SiteRecord(output, key, self.transport.site_handle(key))
+        return record
 
     def publish_all(
         self, layer: int, coords: ParallelCoords, where: Placement, tensors: dict[str, torch.Tensor]
     ) -> int:
         """Publish the outputs of one hook firing (output -> tensor, all at one placement) in one
         transport call; returns how many were accepted."""
-        if capturing_graph():
-            return sum(self._publish_in_graph(o, layer, coords, t, where) for o, t in tensors.items())
+        records = [self.site(output, layer, coords, where, tensor) for output, tensor in tensors.items()]
+        return self.publish_records(layer, coords.vpp, records, list(tensors.values()))
+
+    def publish_records(self, layer: int, vpp: int, records: list[SiteRecord], tensors: list[torch.Tensor]) -> int:
+        """Publish the records of one hook firing at ``layer`` of virtual pipeline stage ``vpp``
+        (``records[i]`` with ``tensors[i]``) in one transport call; returns how many were accepted."""
+        if capturing_graph():  # device-gated producers; the step fields come from the device context block
+            mask = GATE_REPLAY if inside_backward() else GATE_ORIGINAL
+            return sum(self.transport.publish_site(r.handle, t, mask=mask) for r, t in zip(records, tensors))
         replaying = inside_backward()
         if replaying and not self.config.record_replays:
             self.stats.replays_rejected += len(tensors)
             return 0
         if replaying or self.config.record_replays:  # each output has its own replay queue
-            firings = [self._firing(output, layer, coords, replaying) for output in tensors]
+            firings = [self._firing(r.output, layer, vpp, replaying) for r in records]
         else:  # every output of an original firing shares its step fields
-            firings = [Firing(self.step.iteration, self.step.microbatch, self.attempt, self.step.phase, 0)] * len(
-                tensors
-            )
-        sites = [self._site(output, layer, coords, tensor, where) for output, tensor in tensors.items()]
-        accepted = self.transport.publish_firings([handle for _, handle in sites], list(tensors.values()), firings)
-        if not replaying:
+            firings = self._original
+        accepted = self.transport.publish_firings([r.handle for r in records], tensors, firings)
+        if self.observers and not replaying:
+            outputs = {r.output: t for r, t in zip(records, tensors)}
             for observe in self.observers:
-                observe(layer, self.step, tensors)
+                observe(layer, self.step, outputs)
         if not all(accepted):
-            for (site, _), firing, ok in zip(sites, firings, accepted):
-                if not ok:
-                    self.stats.dropped_keys.append(site.fired(firing))
+            per_record = [firings] * len(records) if isinstance(firings, Firing) else firings
+            self.stats.dropped_keys += [r.key.fired(f) for r, f, ok in zip(records, per_record, accepted) if not ok]
         return sum(accepted)
 
     def gradient_firing(self, output: str, layer: int, vpp: int, tensor: torch.Tensor) -> Firing | None:
@@ -209,15 +244,15 @@ class Capture:
     ) -> bool:
         """Publish a gradient from its tensor hook, with the step fields ``gradient_firing`` gave
         in the forward (the schedule may have run other microbatches' forwards since)."""
-        site, handle = self._site(output, layer, coords, gradient, where)
-        (accepted,) = self.transport.publish_firings([handle], [gradient], [firing])
+        record = self.site(output, layer, coords, where, gradient)
+        (accepted,) = self.transport.publish_firings([record.handle], [gradient], firing)
         if not accepted:
-            self.stats.dropped_keys.append(site.fired(firing))
+            self.stats.dropped_keys.append(record.key.fired(firing))
         return accepted
 
-    def _firing(self, output: str, layer: int, coords: ParallelCoords, replaying: bool) -> Firing:
+    def _firing(self, output: str, layer: int, vpp: int, replaying: bool) -> Firing:
         """This firing's step fields; a recorded replay takes its original's microbatch."""
-        replay_queue = self._awaiting_replay[(layer, output, coords.vpp)]
+        replay_queue = self._awaiting_replay[(layer, output, vpp)]
         microbatch, invocation = self.step.microbatch, 0
         if replaying:
             if not replay_queue:
@@ -229,24 +264,6 @@ class Capture:
         elif self.config.record_replays:
             replay_queue.append(microbatch)
         return Firing(self.step.iteration, microbatch, self.attempt, self.step.phase, invocation)
-
-    def _publish_in_graph(self, output, layer, coords, tensor, where) -> bool:
-        """Enqueue a device-gated producer; iteration/microbatch come from the device context
-        block that the runtime sets before each replay (see DMIRuntime.before_forward)."""
-        _, site = self._site(output, layer, coords, tensor, where)
-        mask = GATE_REPLAY if inside_backward() else GATE_ORIGINAL
-        return self.transport.publish_site(site, tensor, mask=mask)
-
-    def _site(self, output, layer, coords, tensor, where) -> tuple[RecordKey, object]:
-        """A capture site's key and transport handle, made on its first firing: hooks fire every
-        microbatch, and building and hashing a full key each time costs host time that an eager
-        MoE step (host-bound) pays in step time."""
-        cache_key = (output, layer, coords, where, tensor.dtype, tensor.shape)
-        entry = self._sites.get(cache_key)
-        if entry is None:
-            site = self._site_key(output, layer, coords, tensor, where)
-            entry = self._sites[cache_key] = (site, self.transport.site_handle(site))
-        return entry
 
     def _site_key(self, output, layer, coords, tensor, where) -> RecordKey:
         return RecordKey(

@@ -101,10 +101,13 @@ class Transport(ABC):
         has the site's dtype and shape."""
         return self.publish(handle.fired(firing), tensor)
 
-    def publish_firings(self, handles: list, tensors: list[torch.Tensor], firings: list[Firing]) -> list[bool]:
+    def publish_firings(self, handles: list, tensors: list[torch.Tensor], firings: Firing | list[Firing]) -> list[bool]:
         """Several ``publish_firing`` calls as one, for the outputs of one hook firing (a transport
         may publish them together: the native ring on a GPU reserves and copies them in one pair of
-        launches). One result per record, in order."""
+        launches). ``firings``: one per record, or one ``Firing`` that every record shares. One result
+        per record, in order."""
+        if isinstance(firings, Firing):
+            firings = [firings] * len(tensors)
         return [self.publish_firing(h, t, f) for h, t, f in zip(handles, tensors, firings)]
 
     @abstractmethod

@@ -270,42 +270,52 @@ class NativeRingTransport(Transport):
         self._check_tensor(tensor)
         return self.publish_site(handle, tensor, ctx=_context_words(firing))
 
-    def publish_firings(self, handles: list[int], tensors: list[torch.Tensor], firings: list[Firing]) -> list[bool]:
+    def publish_firings(
+        self, handles: list[int], tensors: list[torch.Tensor], firings: Firing | list[Firing]
+    ) -> list[bool]:
         """The outputs of one hook firing in one native call per ``MAX_GROUP`` records, which reserves
-        and copies them all (on a GPU: one pair of launches). On a GPU every record reads True (the
-        device decides; see ``stats``); on the host, whether it was accepted."""
+        and copies them all (on a GPU: one pair of launches). ``firings``: one per record, or one
+        ``Firing`` that every record shares. On a GPU every record reads True (the device decides; see
+        ``stats``); on the host, whether it was accepted."""
         if self._closed:
             raise TransportStateError("transport is closed")
-        if len(tensors) > self.MAX_GROUP:
+        n = len(tensors)
+        shared = isinstance(firings, Firing)
+        if n > self.MAX_GROUP:
             return [
                 ok
-                for start in range(0, len(tensors), self.MAX_GROUP)
+                for start in range(0, n, self.MAX_GROUP)
                 for ok in self.publish_firings(
                     handles[start : start + self.MAX_GROUP],
                     tensors[start : start + self.MAX_GROUP],
-                    firings[start : start + self.MAX_GROUP],
+                    firings if shared else firings[start : start + self.MAX_GROUP],
                 )
             ]
-        # every source stays referenced until the call returns: a freed contiguous copy could be
-        # reused, and overwritten, by the next one before the producer reads it
-        sources = [self._source(t) for t in tensors]
-        ptrs = [t.data_ptr() for t in sources]
-        sizes = [t.nbytes for t in sources]
-        words = [w for f in firings for w in _context_words(f)]
+        ptrs, sizes, copies = self._sources(tensors)
+        words = _context_words(firings) * n if shared else [w for f in firings for w in _context_words(f)]
         if self._on_cuda:
             self._ring.publish_group(ptrs, sizes, handles, 1, words, self._stream())
-            return [True] * len(tensors)
+            return [True] * n
         return [code == ACCEPTED for code in self._ring.publish_group(ptrs, sizes, handles, 1, words)]
 
-    def _source(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The contiguous tensor on this ring's device whose bytes a producer copies (checked against the ring)."""
-        if tensor.device != self.device:
-            self._check_tensor(tensor)
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
-        if tensor.nbytes > self.ring_bytes:
-            self.check_fits(tensor.nbytes)
-        return tensor
+    def _sources(self, tensors) -> tuple[list[int], list[int], list[torch.Tensor]]:
+        """(addresses, byte counts, copies made) of the bytes a producer copies for ``tensors``, each
+        checked against the ring. A tensor that is not contiguous is copied, outside autograd (hooks
+        publish with grad enabled); the caller keeps the copies until its native call returns, or a
+        freed copy could be reused, and overwritten, by the next one before the producer reads it."""
+        ptrs, sizes, copies = [], [], []
+        for tensor in tensors:
+            if tensor.device != self.device:
+                self._check_tensor(tensor)
+            if not tensor.is_contiguous():
+                tensor = tensor.detach().contiguous()
+                copies.append(tensor)
+            nbytes = tensor.nbytes
+            if nbytes > self.ring_bytes:
+                self.check_fits(nbytes)
+            ptrs.append(tensor.data_ptr() if nbytes else 0)
+            sizes.append(nbytes)
+        return ptrs, sizes, copies
 
     def publish_site(
         self, site_id: int, tensor: torch.Tensor, mask: int = 1, ctx: tuple[int, ...] | None = None
@@ -319,9 +329,7 @@ class NativeRingTransport(Transport):
         decides; see stats)."""
         if self._closed:
             raise TransportStateError("transport is closed")
-        t = self._source(tensor)
-        nbytes = t.nbytes
-        ptr = t.data_ptr() if nbytes else 0
+        (ptr,), (nbytes,), copies = self._sources((tensor,))
         if self._on_cuda:
             self._ring.publish(ptr, nbytes, site_id, mask, self._stream(), ctx)
             return True

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.core.dmi.hooks.groups.base import Shards, SiteInstaller, first, publish
+from megatron.core.dmi.hooks.groups.base import HookSite, Shards, SiteInstaller, first
 from megatron.core.dmi.key import ParallelCoords
 
 GROUP = "attn"
@@ -19,22 +19,32 @@ def core_attention_of(module: TransformerLayer):
 
 def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelCoords) -> None:
     """attn.context, attn.q and attn.k of one layer, from its core attention's inputs and output, and
-    attn.out from its self-attention block's output."""
+    attn.out from its self-attention block's output (a hook only where this rank publishes one)."""
     core_attention = core_attention_of(module)
     if core_attention is None:
         return
     layer = module.layer_number - 1
+    hooks.placed(layer, GROUP)
+    capture = hooks.capture
     shards = Shards.of(module.config, coords)
+    core_site = HookSite(capture, layer, shards, ("attn.context", "attn.q", "attn.k"))
+    block_site = HookSite(capture, layer, shards, ("attn.out",))
 
     def hook(attention, args, kwargs, output):
-        context = first(output)
-        publish(hooks, layer, shards, context.shape[0], {"attn.context": context, "attn.q": args[0], "attn.k": args[1]})
+        if capture.idle:
+            return
+        if capture.recording():
+            context = first(output)
+            core_site.publish(context.shape[0], (context, args[0], args[1]))
 
     def block_output(attention, args, output):
-        out = first(output)
-        publish(hooks, layer, shards, out.shape[0], {"attn.out": out})
+        if capture.idle:
+            return
+        if capture.recording():
+            out = first(output)
+            block_site.publish(out.shape[0], (out,))
 
-    hooks.hold(core_attention.register_forward_hook(hook, with_kwargs=True))
-    if "attn.out" in hooks.capture.config.hooks:
+    if core_site.outputs:
+        hooks.hold(core_attention.register_forward_hook(hook, with_kwargs=True))
+    if block_site.outputs:
         hooks.hold(module.self_attention.register_forward_hook(block_output))
-    hooks.placed(layer, GROUP)

@@ -1,5 +1,6 @@
 """What every hook group shares: this rank's coordinates, where its records sit (derived from the
-catalog's ``producers``), one publish step, and the model facts a group's refusal check reads.
+catalog's ``producers``), a hook site's publishing state (``HookSite``), and the model facts a
+group's refusal check reads.
 
 A group module (``hooks/groups/<group>.py``, one per ``catalog.GROUPS`` entry) defines ``GROUP``,
 its site functions (``layer_site``, ``block_site``, ``model_site``: each optional, called by
@@ -10,7 +11,7 @@ start-up checks of the flags and ``HookSet.attach`` call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,7 +19,7 @@ import torch
 
 from megatron.core import parallel_state as ps
 from megatron.core.dmi import catalog
-from megatron.core.dmi.capture import Capture, Placement
+from megatron.core.dmi.capture import Capture, Placement, SiteRecord
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.key import ParallelCoords
 
@@ -142,28 +143,54 @@ class Shards:
         return Placement(0, rows, rows) if tp_rank == 0 else None
 
 
-def publish(
-    hooks: SiteInstaller,
-    layer: int,
-    shards: Shards,
-    rows: int,
-    values: Mapping[str, torch.Tensor | Callable[[], torch.Tensor]],
-) -> None:
-    """Publish the outputs among ``values`` that the capture wants at ``layer``, each placed by its
-    producers; a value may be a function, called only when its output is published."""
-    capture = hooks.capture
-    if capture.idle:
-        return
-    by_place: dict[Placement, dict[str, torch.Tensor]] = {}
-    with torch.no_grad():
-        for output, value in values.items():
-            if not capture.wants(output, layer):
-                continue
-            where = shards.placement(output, rows)
-            if where is not None:
-                by_place.setdefault(where, {})[output] = value() if callable(value) else value
-        for where, tensors in by_place.items():
-            capture.publish_all(layer, shards.coords, where, tensors)
+class HookSite:
+    """What one hook site publishes, fixed when its hook is attached: its layer, the outputs it
+    publishes on this rank (selected, on a captured layer, this rank among their producers) and,
+    per record shape, each record's site key and transport handle. A firing then costs one lookup
+    per record; nothing is built or hashed per output (an eager MoE step is host-bound).
+
+    A hook returns at once when ``capture.idle`` (the step decided in ``Capture.begin_step``),
+    publishes only when ``capture.recording()``, and hands ``publish`` one value per output it
+    declared, in order (None for an output it does not publish: see ``publishes``)."""
+
+    __slots__ = ("capture", "layer", "vpp", "shards", "outputs", "_records")
+
+    def __init__(self, capture: Capture, layer: int, shards: Shards, declared: Sequence[str]):
+        """The site at global ``layer`` whose hook hands the values of the ``declared`` outputs."""
+        config = capture.config
+        on_layer = config.captures_layer(layer)
+        self.capture = capture
+        self.layer = layer
+        self.vpp = shards.coords.vpp
+        self.shards = shards
+        # (index among the declared values, output) of every output published here; whether this
+        # rank produces an output does not depend on its row count
+        self.outputs = tuple(
+            (i, output)
+            for i, output in enumerate(declared)
+            if on_layer and output in config.hooks and shards.placement(output, 1) is not None
+        )
+        self._records: dict[tuple, SiteRecord] = {}  # (index, rows, dtype, shape) -> record
+
+    def publishes(self, output: str) -> bool:
+        """Whether this site publishes ``output`` (a hook computes only the values it publishes)."""
+        return any(name == output for _, name in self.outputs)
+
+    def publish(self, rows: int, values: Sequence[torch.Tensor | None]) -> int:
+        """Publish one firing: ``values`` holds one tensor per declared output (``rows`` rows of the
+        full tensor on this rank); returns how many records the transport accepted."""
+        records = []
+        tensors = []
+        for i, output in self.outputs:
+            tensor = values[i]
+            kind = (i, rows, tensor.dtype, tensor.shape)
+            record = self._records.get(kind)
+            if record is None:
+                where = self.shards.placement(output, rows)
+                record = self._records[kind] = self.capture.site(output, self.layer, self.shards.coords, where, tensor)
+            records.append(record)
+            tensors.append(tensor)
+        return self.capture.publish_records(self.layer, self.vpp, records, tensors)
 
 
 def first(output) -> torch.Tensor:

@@ -28,8 +28,10 @@ def _watch_gradient(
     when autograd has summed every use of the tensor. Evaluation forwards have no backward."""
     capture = hooks.capture
     layer = layer_module.layer_number - 1
+    if not layer_module.training or not capture.wants(output, layer):
+        return
     where = shards.placement(output, record_shape[0])
-    if capture.idle or where is None or not layer_module.training or not capture.wants(output, layer):
+    if where is None:
         return
     firing = capture.gradient_firing(output, layer, shards.coords.vpp, tensor)
     if firing is None:
@@ -48,10 +50,13 @@ def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelC
     layer: an input-norm pre-hook would see the norm's own recompute, whose gradient misses the
     residual path), grad.attn_context on the core-attention output, grad.router_logits on the
     routing step's input (the router's ``routing`` wrapped again; ``remove`` drops every wrapper)."""
-    wanted = catalog.outputs_of_group(GROUP, hooks.capture.config.hooks)
+    capture = hooks.capture
+    wanted = catalog.outputs_of_group(GROUP, capture.config.hooks)
     shards = Shards.of(module.config, coords)
 
     def layer_input(layer_module, args, kwargs):
+        if capture.idle:
+            return
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         _watch_gradient(hooks, module, "grad.resid_in", shards, hidden, hidden.shape)
 
@@ -61,6 +66,8 @@ def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelC
     core_attention = core_attention_of(module)
 
     def attention_output(attention, args, output):
+        if capture.idle:
+            return
         context = first(output)
         _watch_gradient(hooks, module, "grad.attn_context", shards, context, context.shape)
 
@@ -73,6 +80,8 @@ def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelC
         router_shards = Shards.of(router.config, coords)
 
         def routing(logits: torch.Tensor, *args, **kwargs):
+            if capture.idle:
+                return routing_step(logits, *args, **kwargs)
             experts = logits.shape[-1]
             _watch_gradient(
                 hooks, module, "grad.router_logits", router_shards, logits, (logits.numel() // experts, experts)

@@ -7,7 +7,7 @@ import torch
 from megatron.core.models.common.language_module.language_module import LanguageModule
 
 from megatron.core.dmi import catalog
-from megatron.core.dmi.hooks.groups.base import ModelFacts, Refusal, Shards, SiteInstaller, first, publish
+from megatron.core.dmi.hooks.groups.base import HookSite, ModelFacts, Refusal, Shards, SiteInstaller, first
 from megatron.core.dmi.key import ParallelCoords
 
 GROUP = "logits"
@@ -28,27 +28,33 @@ def model_site(hooks: SiteInstaller, model: LanguageModule, coords: ParallelCoor
     if not model.post_process:
         return
     capture = hooks.capture
-    layer = model.config.num_layers - 1
     shards = Shards.of(model.config, coords)
-    wanted = catalog.outputs_of_group(GROUP, capture.config.hooks)
+    declared = catalog.outputs_of_group(GROUP, capture.config.hooks)
+    site = HookSite(capture, model.config.num_layers - 1, shards, declared)
+    if not site.outputs:
+        return
+    selected = [output for _, output in site.outputs]
     pending: dict[str, torch.Tensor] = {}
 
     def take_labels(module, args, kwargs):
+        if capture.idle:
+            return
         pending.pop("labels", None)
         if kwargs.get("labels") is not None:
             pending["labels"] = kwargs["labels"]
 
     def hook(module, args, output):
+        if capture.idle:
+            return
         labels = pending.pop("labels", None)
-        selected = [o for o in wanted if capture.wants(o, layer)]
-        if labels is None or not selected:
+        if labels is None or not capture.recording():
             return
         logits = first(output).detach()
         with torch.no_grad():
             views = vocabulary_views(
                 logits, labels.t(), coords.tp * logits.shape[-1], capture.config.logits_topk, selected
             )
-        publish(hooks, layer, shards, logits.shape[0], views)
+        site.publish(logits.shape[0], [views.get(output) for output in declared])
 
     hooks.hold(model.register_forward_pre_hook(take_labels, with_kwargs=True))
     hooks.hold(model.output_layer.register_forward_hook(hook))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from megatron.core.models.common.language_module.language_module import LanguageModule
 
-from megatron.core.dmi.hooks.groups.base import Shards, SiteInstaller, publish
+from megatron.core.dmi.hooks.groups.base import HookSite, Shards, SiteInstaller
 from megatron.core.dmi.key import ParallelCoords
 
 GROUP = "loss"
@@ -18,8 +18,10 @@ def model_site(hooks: SiteInstaller, model: LanguageModule, coords: ParallelCoor
     publishes (producers "replicated")."""
     if not model.post_process:
         return
-    layer = model.config.num_layers - 1
-    shards = Shards.of(model.config, coords)
+    capture = hooks.capture
+    site = HookSite(capture, model.config.num_layers - 1, Shards.of(model.config, coords), ("loss.token",))
+    if not site.outputs:
+        return
 
     def loss_and_mask(output, mask) -> torch.Tensor:
         loss = output.detach().float().t()
@@ -27,9 +29,10 @@ def model_site(hooks: SiteInstaller, model: LanguageModule, coords: ParallelCoor
         return torch.stack([loss, mask], dim=-1)
 
     def hook(module, args, kwargs, output):
-        if kwargs.get("labels") is None:
+        if capture.idle or kwargs.get("labels") is None or not capture.recording():
             return
-        rows = output.shape[1]  # [b, s]: the record is [s, b, 2]
-        publish(hooks, layer, shards, rows, {"loss.token": lambda: loss_and_mask(output, kwargs.get("loss_mask"))})
+        with torch.no_grad():
+            record = loss_and_mask(output, kwargs.get("loss_mask"))
+        site.publish(output.shape[1], (record,))  # [b, s]: the record is [s, b, 2]
 
     hooks.hold(model.register_forward_hook(hook, with_kwargs=True))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.core.dmi.hooks.groups.base import ModelFacts, Refusal, Shards, SiteInstaller, first, publish
+from megatron.core.dmi.hooks.groups.base import HookSite, ModelFacts, Refusal, Shards, SiteInstaller, first
 from megatron.core.dmi.key import ParallelCoords
 
 GROUP = "mlp"
@@ -66,23 +66,33 @@ def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelC
     """mlp.out from a forward hook on the layer's MLP, mlp.shared from one on its shared expert, and
     mlp.experts (see ``_watch_experts``)."""
     layer = module.layer_number - 1
+    hooks.placed(layer, GROUP)
+    capture = hooks.capture
     shards = Shards.of(module.config, coords)
+    out_site = HookSite(capture, layer, shards, ("mlp.out",))
+    shared_site = HookSite(capture, layer, shards, ("mlp.shared",))
 
     def hook(mlp, args, output):
-        out = first(output)
-        publish(hooks, layer, shards, out.shape[0], {"mlp.out": out})
+        if capture.idle:
+            return
+        if capture.recording():
+            out = first(output)
+            out_site.publish(out.shape[0], (out,))
 
     def shared_hook(shared, args, output):
-        publish(hooks, layer, shards, output.shape[0], {"mlp.shared": output})
+        if capture.idle:
+            return
+        if capture.recording():
+            shared_site.publish(output.shape[0], (output,))
 
-    hooks.hold(module.mlp.register_forward_hook(hook))
+    if out_site.outputs:
+        hooks.hold(module.mlp.register_forward_hook(hook))
     shared_experts = getattr(module.mlp, "shared_experts", None)
-    if shared_experts is not None:
+    if shared_experts is not None and shared_site.outputs:
         hooks.hold(shared_experts.register_forward_hook(shared_hook))
     experts = getattr(module.mlp, "experts", None)
-    if "mlp.experts" in hooks.capture.config.hooks and experts is not None:
+    if "mlp.experts" in capture.config.hooks and experts is not None:
         _watch_experts(hooks, module, experts, coords)
-    hooks.placed(layer, GROUP)
 
 
 def _watch_experts(
@@ -100,18 +110,20 @@ def _watch_experts(
     layer = module.layer_number - 1
     capture = hooks.capture
 
-    def publish_rows(shards, rows, local_map, permuted_probs, first_expert):
+    def publish_rows(site, rows, local_map, permuted_probs, first_expert):
         with torch.no_grad():
-            record = expert_rows(rows, local_map, permuted_probs, first_expert, list(shards.group_ranks))
-        publish(hooks, layer, shards, record.shape[0], {"mlp.experts": record})
+            record = expert_rows(rows, local_map, permuted_probs, first_expert, list(site.shards.group_ranks))
+        site.publish(record.shape[0], (record,))
 
     if config.moe_token_dispatcher_type == "alltoall":
         token_combine = dispatcher.token_combine
-        own = Shards.of(config, coords, (coords.rank,))
+        own = HookSite(capture, layer, Shards.of(config, coords, (coords.rank,)), ("mlp.experts",))
+        if not own.outputs:
+            return
 
         def combined(hidden_states, *args, **kwargs):
             rows = token_combine(hidden_states, *args, **kwargs)
-            if not capture.idle and capture.wants("mlp.experts", layer):
+            if not capture.idle and capture.recording():
                 routing_map = dispatcher.routing_map
                 # the probabilities in the order permute() put this rank's rows: by expert, tokens ascending
                 permuted = dispatcher.probs.t().contiguous().masked_select(routing_map.t().contiguous())
@@ -127,10 +139,12 @@ def _watch_experts(
         group_ranks = tuple(torch.distributed.get_process_group_ranks(group))
     else:
         group_ranks = (coords.rank,)
-    gathered = Shards.of(config, coords, group_ranks)
+    gathered = HookSite(capture, layer, Shards.of(config, coords, group_ranks), ("mlp.experts",))
+    if not gathered.outputs:
+        return
 
     def hook(experts, args, output):
-        if capture.idle or not capture.wants("mlp.experts", layer):
+        if capture.idle or not capture.recording():
             return
         publish_rows(gathered, first(output), dispatcher.local_map, args[2], first_expert)
 

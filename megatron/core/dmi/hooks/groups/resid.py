@@ -7,7 +7,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.core.dmi.hooks.groups.base import Shards, SiteInstaller, publish
+from megatron.core.dmi.hooks.groups.base import HookSite, Shards, SiteInstaller
 from megatron.core.dmi.key import ParallelCoords
 
 GROUP = "resid"
@@ -19,13 +19,18 @@ def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelC
     # The layer's own pre-hook would not fire when megatron-core replays the layer as a CUDA graph;
     # its input norm is called inside the layer with exactly the hidden states the layer received.
     layer = module.layer_number - 1
-    shards = Shards.of(module.config, coords)
+    hooks.placed(layer, GROUP)
+    capture = hooks.capture
+    site = HookSite(capture, layer, Shards.of(module.config, coords), ("resid.in",))
 
     def hook(norm, args):
-        publish(hooks, layer, shards, args[0].shape[0], {"resid.in": args[0]})
+        if capture.idle:
+            return
+        if capture.recording():
+            site.publish(args[0].shape[0], args)
 
-    hooks.hold(module.input_layernorm.register_forward_pre_hook(hook))
-    hooks.placed(layer, GROUP)
+    if site.outputs:
+        hooks.hold(module.input_layernorm.register_forward_pre_hook(hook))
 
 
 def block_site(hooks: SiteInstaller, block: TransformerBlock, coords: ParallelCoords) -> None:
@@ -35,32 +40,39 @@ def block_site(hooks: SiteInstaller, block: TransformerBlock, coords: ParallelCo
     capture = hooks.capture
     shards = Shards.of(block.config, coords)
     last = [m for m in block.layers if m.layer_number == block.config.num_layers]
-    if last:
-        layer = last[0].layer_number - 1
+    out_site = HookSite(capture, block.config.num_layers - 1, shards, ("resid.out",))
+    if last and out_site.outputs:
         if block.final_layernorm is not None:
 
             def norm_input(norm, args):
-                publish(hooks, layer, shards, args[0].shape[0], {"resid.out": args[0]})
+                if capture.idle:
+                    return
+                if capture.recording():
+                    out_site.publish(args[0].shape[0], args)
 
             hooks.hold(block.final_layernorm.register_forward_pre_hook(norm_input))
         else:  # no final norm: the last layer's output is the block's output
 
             def layer_output(module, args, output):
-                publish(hooks, layer, shards, output[0].shape[0], {"resid.out": output[0]})
+                if capture.idle:
+                    return
+                if capture.recording():
+                    out_site.publish(output[0].shape[0], output)
 
             hooks.hold(last[0].register_forward_hook(layer_output))
-    routers = {
-        m.layer_number - 1: m.mlp.router
+    weight_sites = [
+        (m.mlp.router, HookSite(capture, m.layer_number - 1, shards, ("router.weight",)))
         for m in block.layers
         if isinstance(getattr(getattr(m, "mlp", None), "router", None), TopKRouter)
-    }
-    if not routers or shards.placement("router.weight", 1) is None:
+    ]
+    weight_sites = [(router, site) for router, site in weight_sites if site.outputs]
+    if not weight_sites:
         return
 
     def publish_weights(module, args, kwargs):
-        if capture.idle or capture.step.microbatch != 0:
+        if capture.idle or capture.step.microbatch != 0 or not capture.recording():
             return
-        for layer, router in routers.items():
-            publish(hooks, layer, shards, router.weight.shape[0], {"router.weight": router.weight.detach()})
+        for router, site in weight_sites:
+            site.publish(router.weight.shape[0], (router.weight.detach(),))
 
     hooks.hold(block.register_forward_pre_hook(publish_weights, with_kwargs=True))

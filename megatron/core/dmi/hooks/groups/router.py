@@ -15,7 +15,7 @@ import torch
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron.core.dmi.hooks.groups.base import ModelFacts, Refusal, Shards, SiteInstaller, publish
+from megatron.core.dmi.hooks.groups.base import HookSite, ModelFacts, Refusal, Shards, SiteInstaller
 from megatron.core.dmi.key import ParallelCoords
 from megatron.core.dmi.transport import abi, jit
 
@@ -38,6 +38,7 @@ def pre_drop_visible():
         yield
     finally:
         mcore_router.apply_router_token_dropping = _original_token_dropping
+        _pre_drop.selection = None
 
 
 def take_pre_drop() -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -69,25 +70,35 @@ def select(
 
 
 def _kernel_takes(kernels, probs, routing_map, pre_probs, pre_map, topk: int) -> bool:
-    tensors = (probs, routing_map, pre_probs, pre_map)
-    return (
-        probs.is_cuda
-        and probs.dim() == 2
-        and all(t.device == probs.device and t.shape == probs.shape for t in tensors)
-        and probs.dtype in _KERNEL_DTYPES
-        and pre_probs.dtype == probs.dtype
-        and routing_map.dtype == pre_map.dtype == torch.bool
-        and 1 <= topk <= min(kernels.ROUTER_SELECT_MAX_K, probs.shape[1])
-        and probs.shape[1] <= kernels.ROUTER_SELECT_MAX_EXPERTS
-    )
+    """Whether the fused kernel takes these: [tokens, E] each on one CUDA device, the router's dtypes,
+    k and E within its limits. Without capacity dropping the pre-drop pair is the post-drop pair
+    itself and is not checked again (every firing asks)."""
+    if not probs.is_cuda or probs.dim() != 2 or probs.dtype not in _KERNEL_DTYPES or routing_map.dtype != torch.bool:
+        return False
+    shape, device = probs.shape, probs.device
+    if routing_map.shape != shape or routing_map.device != device:
+        return False
+    if pre_probs is not probs and (
+        pre_probs.shape != shape or pre_probs.device != device or pre_probs.dtype != probs.dtype
+    ):
+        return False
+    if pre_map is not routing_map and (
+        pre_map.shape != shape or pre_map.device != device or pre_map.dtype != torch.bool
+    ):
+        return False
+    experts = shape[1]
+    return 1 <= topk <= min(kernels.ROUTER_SELECT_MAX_K, experts) and experts <= kernels.ROUTER_SELECT_MAX_EXPERTS
 
 
 def _select_on_device(kernels, probs, routing_map, pre_probs, pre_map, topk: int):
-    probs, routing_map, pre_probs, pre_map = (t.contiguous() for t in (probs, routing_map, pre_probs, pre_map))
+    dropped = pre_probs is not probs or pre_map is not routing_map
+    probs, routing_map = probs.contiguous(), routing_map.contiguous()
+    pre_probs, pre_map = (pre_probs.contiguous(), pre_map.contiguous()) if dropped else (probs, routing_map)
     tokens, num_experts = probs.shape
-    ids = torch.empty((tokens, topk), dtype=torch.int32, device=probs.device)
-    weights = torch.empty((tokens, topk), dtype=probs.dtype, device=probs.device)
-    counts = torch.empty((2, num_experts), dtype=torch.int32, device=probs.device)
+    device = probs.device
+    ids = torch.empty((tokens, topk), dtype=torch.int32, device=device)
+    weights = torch.empty((tokens, topk), dtype=probs.dtype, device=device)
+    counts = torch.empty((2, num_experts), dtype=torch.int32, device=device)
     kernels.router_select(
         probs.data_ptr(),
         routing_map.data_ptr(),
@@ -100,7 +111,7 @@ def _select_on_device(kernels, probs, routing_map, pre_probs, pre_map, topk: int
         ids.data_ptr(),
         weights.data_ptr(),
         counts.data_ptr(),
-        torch._C._cuda_getCurrentRawStream(probs.device.index),  # no torch.cuda.Stream per firing
+        torch._C._cuda_getCurrentRawStream(device.index),  # no torch.cuda.Stream per firing
     )
     return ids, weights, counts
 
@@ -140,38 +151,49 @@ def refusal(outputs: frozenset[str], facts: ModelFacts) -> Refusal | None:
     return None
 
 
+# what the router's wrapper hands its HookSite, in this order (the order of the firing's records)
+OUTPUTS = ("router.logits", "router.topk_ids", "router.topk_probs", "router.expert_counts", "router.selected")
+_SELECTION = frozenset(OUTPUTS[1:4])  # the outputs ``select`` computes together
+
+
 def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelCoords) -> None:
-    """router.* of one MoE layer: its TopKRouter's ``routing`` wrapped until ``HookSet.remove``."""
+    """router.* of one MoE layer: its TopKRouter's ``routing`` wrapped until ``HookSet.remove``
+    (not wrapped where this rank publishes none of them at this layer)."""
     router = getattr(getattr(module, "mlp", None), "router", None)
     if not isinstance(router, TopKRouter):
         return
     layer = module.layer_number - 1
+    hooks.placed(layer, GROUP)
+    capture = hooks.capture
+    site = HookSite(capture, layer, Shards.of(router.config, coords), OUTPUTS)
+    if not site.outputs:
+        return
     original = router.routing
-    shards = Shards.of(router.config, coords)
+    topk = router.topk
+    selecting = any(site.publishes(o) for o in _SELECTION)
+    pre_drop_selected = site.publishes("router.selected")
 
     def routing(logits: torch.Tensor, *args, **kwargs):
+        if capture.idle:
+            return original(logits, *args, **kwargs)
+        _pre_drop.selection = None  # only this call's capacity dropping counts
         probs, routing_map = original(logits, *args, **kwargs)
-        pre = take_pre_drop()
-        if hooks.capture.idle:
+        if not capture.recording():
             return probs, routing_map
-        flat_logits = logits.reshape(-1, logits.shape[-1])
+        pre = take_pre_drop()
         pre_probs, pre_map = pre if pre is not None else (probs, routing_map)
-        cached = {}
-
-        def selection():
-            if "v" not in cached:
-                cached["v"] = select(probs, routing_map, pre_probs, pre_map, router.topk)
-            return cached["v"]
-
-        values = {
-            "router.logits": flat_logits,
-            "router.topk_ids": lambda: selection()[0],
-            "router.topk_probs": lambda: selection()[1],
-            "router.expert_counts": lambda: selection()[2],
-            "router.selected": lambda: pre_drop_ids(pre_probs, pre_map, router.topk).to(torch.int32),
-        }
-        publish(hooks, layer, shards, flat_logits.shape[0], values)
+        flat_logits = logits.reshape(-1, logits.shape[-1])
+        ids = weights = counts = selected = None
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # a no_grad context costs microseconds more per firing
+        try:
+            if selecting:
+                ids, weights, counts = select(probs, routing_map, pre_probs, pre_map, topk)
+            if pre_drop_selected:
+                selected = pre_drop_ids(pre_probs, pre_map, topk).to(torch.int32)
+        finally:
+            torch._C._set_grad_enabled(grad)
+        site.publish(flat_logits.shape[0], (flat_logits, ids, weights, counts, selected))
         return probs, routing_map
 
     hooks.wrap(router, "routing", routing)
-    hooks.placed(layer, GROUP)
