@@ -311,7 +311,8 @@ class DMIConfig:
     $DMI_CLICKHOUSE_PASSWORD or --dmi-clickhouse-password-file"""
 
     ingest_threads: int | None = _parsed(None, positive_int)
-    """chDB threads of the node's ingester process (default: a quarter of the cores, 1 to 4)"""
+    """chDB threads of the node's ingester process, which are also the parallel streams of each insert of 128 MiB
+    or more (default: a quarter of the cores, 1 to 4)"""
 
     ingest_nice: int = _parsed(10, nice_increment)
     """how much lower the ingester process's CPU priority is than the training's (0-19)"""
