@@ -187,8 +187,8 @@ def chdb_params(params: dict[str, Any] | None) -> dict[str, str] | None:
 
 
 # The smallest insert stream: each stream writes a part of its own, and small parts are soon merged again
-# (on the 2-core VM, two streams per 256 MiB batch cost no more CPU per GiB than one with merges stopped,
-# and up to 1.5x more with them running: docs/benchmarks.md). A batch under twice this is one stream.
+# (on the 2-core VM, two streams per 256 MiB batch cost about the CPU per GiB of one with merges stopped,
+# and up to 1.8x more with them running: docs/benchmarks.md). A batch under twice this is one stream.
 MIN_STREAM_BYTES = 64 << 20
 
 
