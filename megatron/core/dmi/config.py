@@ -285,8 +285,8 @@ class DMIConfig:
     $DMI_CLICKHOUSE_PASSWORD or --dmi-clickhouse-password-file"""
 
     ingest_threads: int | None = _parsed(None, positive_int)
-    """chDB threads of the node's ingester process into the embedded store (default: a quarter of the cores,
-    1 to 4)"""
+    """chDB threads of the node's ingester process, which are also the parallel streams of each insert of 128 MiB
+    or more (default: a quarter of the cores, 1 to 4)"""
 
     ingest_streams: int | None = _parsed(None, positive_int)
     """parallel inserts of the node's ingester process into the server of --dmi-clickhouse-url, each read back

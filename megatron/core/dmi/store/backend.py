@@ -17,7 +17,9 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from megatron.core.dmi.errors import DMIError, InvalidArgumentError
 from megatron.core.dmi.store import schema as S
@@ -184,6 +186,56 @@ def chdb_params(params: dict[str, Any] | None) -> dict[str, str] | None:
     return out
 
 
+# The smallest insert stream: each stream writes a part of its own, and small parts are soon merged again
+# (on the 2-core VM, two streams per 256 MiB batch cost about the CPU per GiB of one with merges stopped,
+# and up to 1.8x more with them running: docs/benchmarks.md). A batch under twice this is one stream.
+MIN_STREAM_BYTES = 64 << 20
+
+
+def _row_bytes(batch: pa.RecordBatch) -> np.ndarray:
+    """Bytes of each row's variable-width values (what dominates a row: the payload)."""
+    sizes = np.zeros(batch.num_rows, dtype=np.int64)
+    for col in batch.columns:
+        t = col.type
+        if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_string(t) or pa.types.is_large_string(t):
+            sizes += pc.fill_null(pc.binary_length(col), 0).to_numpy(zero_copy_only=False)
+    return sizes
+
+
+def insert_streams(data: pa.Table, streams: int) -> tuple[pa.Table, dict[str, int]]:
+    """``data`` cut, without copying, into record batches for an ``INSERT ... SELECT FROM Python()`` that runs
+    up to ``streams`` pipelines side by side, and the settings that make it do so.
+
+    chDB's ``Python()`` source hands each of its ``max_threads`` streams whole record batches and converts them
+    without the GIL; ClickHouse then squashes what the streams produce into blocks of
+    ``min_insert_block_size_bytes`` (256 MiB by default: a whole batch, copied into one block, one part, one
+    thread that sorts, compresses and writes it). So: record batches of about ``data.nbytes / streams`` each
+    (a larger one is cut at row boundaries by its rows' bytes), squashing only of blocks under a quarter of
+    that (the record blocks of a raw segment pass as they are), and as many insert threads as streams; each
+    block the sink gets is a part of its own. Always ``optimize_on_insert = 0``: the ReplacingMergeTree tables
+    do not deduplicate each inserted block (a pass over its payloads, 10-20 % of the insert's CPU); readers
+    read with FINAL or DISTINCT, and merges deduplicate as before."""
+    settings = {"optimize_on_insert": 0}
+    n = max(1, min(streams, data.nbytes // MIN_STREAM_BYTES))
+    if n == 1:
+        return data, settings
+    target = -(-data.nbytes // n)
+    pieces = []
+    for batch in data.to_batches():
+        k = round(batch.nbytes / target)  # pieces of 0.75 to 1.5 targets: none is squashed with another
+        if k <= 1:
+            pieces.append(batch)
+            continue
+        ends = np.cumsum(_row_bytes(batch) + 1)  # + 1: rows of no variable-width value are cut by count
+        cuts = np.searchsorted(ends, ends[-1] * np.arange(1, k) / k, side="right")
+        bounds = [0, *sorted(set(cuts.tolist()) - {0, batch.num_rows}), batch.num_rows]
+        pieces += [batch.slice(lo, hi - lo) for lo, hi in zip(bounds, bounds[1:])]
+    settings.update(
+        max_threads=n, max_insert_threads=n, min_insert_block_size_rows=0, min_insert_block_size_bytes=target // 4
+    )
+    return pa.Table.from_batches(pieces, schema=data.schema), settings
+
+
 _open_lock = threading.Lock()
 _open_session: dict[str, Any] = {}  # realpath -> [session, refcount, lockfd]
 
@@ -234,6 +286,14 @@ class ChdbBackend(Backend):
             self._session = entry[0]
         self._closed = False
         self._lock = threading.Lock()  # one statement at a time (streaming inserts block the session)
+        self.insert_streams = 1  # pipelines a large insert runs side by side (``bound_threads``)
+
+    def bound_threads(self, threads: int) -> None:
+        """Run every query on at most ``threads`` chDB threads, and insert a large batch as that many streams
+        (``insert_streams``)."""
+        self.command(f"SET max_threads = {int(threads)}")
+        self.command(f"SET max_insert_threads = {int(threads)}")
+        self.insert_streams = int(threads)
 
     def command(self, sql, params=None):
         """Run a statement on the chDB session, one statement at a time."""
@@ -247,16 +307,21 @@ class ChdbBackend(Backend):
         return normalize_result(res)
 
     def insert_arrow(self, table, data):
-        """Insert ``data`` into ``table``, read in place by chDB (nothing to do for no rows)."""
+        """Insert ``data`` into ``table``, read in place by chDB in up to ``insert_streams`` parallel streams
+        (``insert_streams()``; nothing to do for no rows)."""
         if data.num_rows == 0:
             return
         cols = ", ".join(check_identifier(c, "column name") for c in data.schema.names)
         # chDB's Python() table function reads the Arrow table in place, found by its name in this
-        # frame: no IPC copy (about twice as fast as a streamed insert of the same 200 MB here), and
-        # it exists in chdb-core-lite, the engine-only package that has no send_insert.
-        arrow_rows = data  # noqa: F841 (read by name by the query below)
+        # frame: no IPC copy (about twice as fast as a streamed insert of the same 200 MB here, and half
+        # the CPU of ClickHouse's own file() reader of the same batch written as Arrow files), and it
+        # exists in chdb-core-lite, the engine-only package that has no send_insert.
+        arrow_rows, settings = insert_streams(data, self.insert_streams)  # noqa: F841 (read by name below)
+        with_settings = ", ".join(f"{k} = {int(v)}" for k, v in settings.items())
         with self._lock:
-            self._session.query(f"INSERT INTO {self.t(table)} ({cols}) SELECT {cols} FROM Python(arrow_rows)")
+            self._session.query(
+                f"INSERT INTO {self.t(table)} ({cols}) SELECT {cols} FROM Python(arrow_rows) SETTINGS {with_settings}"
+            )
 
     def free_bytes(self) -> int | None:
         """Free space on the file system that holds the store."""

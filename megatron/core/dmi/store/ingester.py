@@ -200,9 +200,8 @@ class _Service:
             self.backend = ChdbBackend(os.path.join(store_dir, "chdb"), database)  # StoreBusyError: stand down
             try:
                 self.backend.ensure_schema(codec)  # a new store's payload codec; an existing one keeps its own
-                # chDB's query and insert pools: the training keeps the other cores
-                self.backend.command(f"SET max_threads = {int(threads)}")
-                self.backend.command(f"SET max_insert_threads = {int(threads)}")
+                # chDB's query and insert pools, and the streams of each insert: the training keeps the other cores
+                self.backend.bound_threads(threads)
                 self.known = known_segment_ids(self.backend)
             except BaseException:
                 self.backend.close()

@@ -199,3 +199,43 @@ def test_merge_node_local_stores(tmp_path):
     assert len(dump["drops"]) == 1 and len(dump["reports"]) == 2
     direct0 = run_isolated(W.dump_store, str(tmp_path / "node0"), ("tensors",))["tensors"]
     assert set(direct0) <= set(dump["tensors"])
+
+
+def test_large_insert_runs_as_parallel_streams(tmp_path):
+    """A batch of several streams' worth goes in as one part per stream (the streams run side by side), and
+    every row reads back bit for bit, as from the single part of one stream."""
+    assert run_isolated(W.insert_in_streams, str(tmp_path / "one"), 1) == {
+        "parts": 1,
+        "missing": 0,
+        "payloads_equal": True,
+    }
+    assert run_isolated(W.insert_in_streams, str(tmp_path / "four"), 4) == {
+        "parts": 4,
+        "missing": 0,
+        "payloads_equal": True,
+    }
+
+
+def test_insert_streams_cut_without_copying():
+    """The table is cut at row boundaries by bytes into one record batch per stream, views of the same
+    payload buffer; a table under two streams' worth stays one stream with the engine's own squashing."""
+    import numpy as np
+    import pyarrow as pa
+
+    from megatron.core.dmi.store.backend import MIN_STREAM_BYTES, insert_streams
+
+    size = MIN_STREAM_BYTES // 4  # nine rows: two streams' worth, seven: one
+    payload = pa.array([bytes([i]) * size for i in range(9)], type=pa.large_binary())
+    table = pa.table({"k": pa.array(np.arange(9, dtype=np.int64)), "payload": payload})
+    pieces, settings = insert_streams(table, 2)
+    batches = pieces.to_batches()
+    assert [b.num_rows for b in batches] == [4, 5] and pieces.equals(table)
+    data = payload.buffers()[2]
+    for b in batches:
+        mine = b.column(1).buffers()[2]
+        assert data.address <= mine.address and mine.address + mine.size <= data.address + data.size
+    assert settings["max_threads"] == settings["max_insert_threads"] == 2
+    assert settings["min_insert_block_size_rows"] == 0 and 0 < settings["min_insert_block_size_bytes"] < size * 4
+
+    small, small_settings = insert_streams(table.slice(0, 7), 4)
+    assert small.num_rows == 7 and "max_insert_threads" not in small_settings

@@ -437,3 +437,35 @@ def start_second_writer(store_dir: str, ready: str, release: str) -> str:
         return str(e)
     finally:
         open(release, "w").close()
+
+
+def insert_in_streams(store_dir: str, streams: int) -> dict:
+    """One ``insert_arrow`` of 16 float32 records (4 MiB) into a store whose backend runs ``streams`` threads,
+    the smallest stream lowered to 1 MiB so that this batch is four streams' worth, background merges stopped
+    so the parts stay as the insert wrote them. Returns the parts written, the rows not read back and whether
+    every payload reads back bit for bit."""
+    from megatron.core.dmi.records import records_to_table
+    from megatron.core.dmi.store import backend as B
+    from megatron.core.dmi.store.ingest import rows_missing
+
+    B.MIN_STREAM_BYTES = 1 << 20
+    g = torch.Generator().manual_seed(streams)
+    recs = [rec("attn.context", torch.randn(256, 256, generator=g), layer=i % 4, microbatch=i) for i in range(16)]
+    table = records_to_table(recs)
+    b = B.ChdbBackend(os.path.join(store_dir, "chdb"))
+    try:
+        b.ensure_schema()
+        b.bound_threads(streams)
+        b.command("SYSTEM STOP MERGES dmi.tensors")
+        b.insert_arrow("tensors", table)
+        parts = b.query_arrow(
+            "SELECT count() AS n FROM system.parts WHERE database = 'dmi' AND table = 'tensors' AND active"
+        )
+        stored = b.query_arrow("SELECT layer, microbatch, payload FROM dmi.tensors ORDER BY microbatch")
+        return {
+            "parts": parts.column("n")[0].as_py(),
+            "missing": int(rows_missing(b, "tensors", table).sum()),
+            "payloads_equal": stored.column("payload").to_pylist() == [r.payload for r in recs],
+        }
+    finally:
+        b.close()
