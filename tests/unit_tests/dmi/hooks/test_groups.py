@@ -130,3 +130,67 @@ def test_every_group_attaches_and_remove_restores_every_module(megatron_cpu, dis
     hooks.remove()
     assert _module_state(model) == before
     assert mcore_router.apply_router_token_dropping is token_dropping
+
+
+# the hook and wrapper functions the groups install (what runs when a site fires)
+SITE_FUNCTIONS = {
+    "routing",
+    "hook",
+    "block_output",
+    "norm_input",
+    "layer_output",
+    "publish_weights",
+    "shared_hook",
+    "combined",
+    "take_labels",
+    "layer_input",
+    "attention_output",
+}
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_on_an_uncaptured_step_every_site_is_one_frame_of_dmi(megatron_cpu, dispatcher):
+    """The per-step decision is read by each site as one attribute: on a step that captures nothing,
+    DMI's code that runs is the sites' own functions, each returning at once (nothing else of DMI
+    is called, nothing is published)."""
+    import os
+    import sys
+
+    import megatron.core.dmi as dmi
+    from tests.unit_tests.dmi.hooks.model_fixtures import tokens
+
+    model = tiny_gpt(shared_expert_size=32, dispatcher=dispatcher)
+    capture = capture_for(",".join(catalog.BY_NAME))
+    hooks = HookSet(capture)
+    hooks.attach(model)
+    capture.begin_step("train", 1, wanted=False)
+    package = os.path.dirname(dmi.__file__)
+    shim = os.path.join(package, "cpu_mode.py")  # the CPU development shim this test runs under
+    ran = []
+
+    def profile(frame, event, arg):
+        where = frame.f_code.co_filename
+        if event == "call" and where.startswith(package) and where != shim:
+            ran.append(frame.f_code.co_name)
+
+    ids, pos = tokens()
+    sys.setprofile(profile)
+    try:
+        model(ids, pos, None, labels=ids).sum().backward()
+    finally:
+        sys.setprofile(None)
+    hooks.remove()
+    assert ran and set(ran) <= SITE_FUNCTIONS, sorted(set(ran) - SITE_FUNCTIONS)
+    assert capture.transport.stats.published == 0
+
+
+def test_a_site_that_publishes_nothing_on_this_rank_installs_nothing(megatron_cpu):
+    """Layers left out by the layer selection get no hook and no wrapper; the topology still lists them."""
+    model = tiny_gpt()
+    before = _module_state(model.decoder.layers[0])
+    hooks = HookSet(capture_for("router,attn,resid,mlp", layers=frozenset({1})))
+    hooks.attach(model)
+    assert _module_state(model.decoder.layers[0]) == before
+    assert _module_state(model.decoder.layers[1]) != _module_state(tiny_gpt().decoder.layers[1])
+    assert sorted(hooks.layers) == [0, 1]
+    hooks.remove()

@@ -1,4 +1,4 @@
-"""The host-cost and paired step-time benchmarks run on the CPU at a tiny scale and write the
+"""The host-cost, site-cost and paired step-time benchmarks run on the CPU at a tiny scale and write the
 results their GPU runs are read by (the figures themselves are not asserted: wall-clock time)."""
 
 import json
@@ -48,3 +48,17 @@ def test_paired_step_time_alternates_capture_per_step_and_reports_intervals(tmp_
         # the per-step switch: captured steps publish every selected output, uncaptured ones nothing
         assert got[arm]["records_per_captured_step"] == layers * per_layer
         assert got[arm]["records_per_uncaptured_step"] == 0
+
+
+@pytest.mark.slow
+def test_site_cost_clocks_each_site_per_arm_and_counts_its_calls(tmp_path):
+    out = tmp_path / "site_cost.json"
+    _run("site_cost.py", "--blocks", "1", "--calls", "30", "--out", str(out))
+    got = json.loads(out.read_text())
+    assert got["device"]
+    for site in ("router", "attn"):
+        for arm in ("off", "uncaptured", "captured"):
+            assert got[f"{site}.{arm}"]["python_calls"] > 0, (site, arm)
+        assert "dmi_us_per_call" in got[f"{site}.captured"]
+    # an uncaptured router firing runs DMI's wrapper and nothing else of Python
+    assert got["router.uncaptured"]["python_calls"] == got["router.off"]["python_calls"] + 1
