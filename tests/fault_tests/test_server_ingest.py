@@ -9,7 +9,8 @@ holds:
    back on the same port and store; or refusing connections for a while;
 3. an insert the server answers 500 (before or after storing it), or acknowledges and partly loses: the
    read-back catches it and the segment is retried;
-4. ``kill -9`` of the ingester at each point of a pass into the server, then a restart.
+4. ``kill -9`` of the ingester at each point of a pass into the server, then a restart;
+5. a second ingester on the same spool stands down.
 
 Counts are plain SQL on the server (ingester_workers.count_per_key).
 """
@@ -21,14 +22,18 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 
 import pytest
 
 from megatron.core.dmi.store.ingest import TEST_CRASH_ENV, TEST_CRASH_POINTS
+from megatron.core.dmi.store.ingester import EXIT_STANDING_DOWN, SPOOL_LOCK, read_status
 from megatron.core.dmi.store.segments import list_segments
 from tests.fault_tests import ingester_workers as IW
 from tests.fault_tests.chdb_server import ChdbServer
 from tests.fault_tests.test_ingester_process import AFTER_THE_KILL, assert_every_record_once, ingest_cli
+from tests.functional_tests.launch import REPO
 from tests.unit_tests.dmi.isolated import run_isolated
 
 PER_SEGMENT = 4  # records per spool segment
@@ -227,3 +232,29 @@ def test_an_ingester_killed_at_any_point_of_a_pass_into_a_server_loses_and_dupli
             assert done["owner"] and not done["result"]["errors"], done
         assert_every_record_once(server.url, loaded + batch)
         assert not spool_left(store)
+
+
+# -- 5. one ingester per spool ---------------------------------------------------------------------------------------
+
+
+def test_a_second_ingester_of_a_server_stores_spool_stands_down_naming_the_holder(tmp_path):
+    """The spool's ``ingester.lock``: a second ingester on the same spool (another node on a shared store folder,
+    a hand-run one) stands down, as for the embedded store's lock, and says who holds it."""
+    store = str(tmp_path / "store")
+    os.makedirs(os.path.join(store, "spool"))
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens: the holder waits for it, holding the lock
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "megatron_dmi", "ingest", store, "--clickhouse-url", url, "--follow"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        IW.wait_until(lambda: getattr(read_status(store), "pid", None) == holder.pid, "the holder's first status")
+        rc, out = ingest_cli(store, "--clickhouse-url", url)
+        assert rc == EXIT_STANDING_DOWN and "not ingesting: another process holds the store" in out, out
+        with open(os.path.join(store, SPOOL_LOCK)) as f:
+            assert f.read().strip() == str(holder.pid)
+    finally:
+        holder.terminate()
+        holder.wait(timeout=IW.WAIT_S)

@@ -5,7 +5,9 @@
 ``hooks/groups/`` (``groups.GROUP_MODULES``). The sub-module sites sit inside the layer, so they
 fire inside a layer's CUDA graph and inside activation recompute. Every site knows its global layer
 and its rank's parallel coordinates, and places its records by the catalog's ``producers``
-(``groups.base.Shards``); the Capture decides per firing whether a record is made.
+(``groups.base.Shards``); what it publishes on this rank is fixed at attach (``groups.base.HookSite``:
+no hook where that is nothing), and the Capture decides once per step (``idle``) and per firing
+(``recording``) whether a record is made.
 """
 
 from __future__ import annotations
