@@ -15,6 +15,7 @@ import re
 import shutil
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -236,6 +237,21 @@ def insert_streams(data: pa.Table, streams: int) -> tuple[pa.Table, dict[str, in
     return pa.Table.from_batches(pieces, schema=data.schema), settings
 
 
+def take_pid_lock(path: str, busy: Callable[[str], str]) -> int:
+    """Hold the ``flock`` of the file at ``path`` for this process and write its pid there; its descriptor.
+    ``StoreBusyError(busy(holder pid))`` when another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise StoreBusyError(busy(holder)) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 _open_lock = threading.Lock()
 _open_session: dict[str, Any] = {}  # realpath -> [session, refcount, lockfd]
 
@@ -260,19 +276,14 @@ class ChdbBackend(Backend):
             entry = _open_session.get(self.path)
             if entry is None:
                 os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                lockfd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-                try:
-                    fcntl.flock(lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    holder = os.pread(lockfd, 64, 0).decode(errors="replace").strip() or "?"
-                    os.close(lockfd)
-                    raise StoreBusyError(
+                lockfd = take_pid_lock(
+                    self.path + ".lock",
+                    lambda holder: (
                         f"DMI store {self.path} is held by another process (pid {holder}; e.g. a running "
                         f"training's ingester or a `load`). chDB lets one process write a store: load after "
                         f"it finishes; to read, open_store and the CLI take a snapshot and need no lock"
-                    ) from None
-                os.ftruncate(lockfd, 0)
-                os.pwrite(lockfd, f"{os.getpid()}\n".encode(), 0)
+                    ),
+                )
                 try:
                     from chdb import session as chs
 

@@ -24,7 +24,6 @@ training process they compete with a host-bound step's kernel launches.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -40,7 +39,14 @@ from dataclasses import dataclass, field
 
 from megatron.core.dmi.errors import DMIError
 from megatron.core.dmi.store import schema as S
-from megatron.core.dmi.store.backend import Backend, BackendError, ChdbBackend, ServerBackend, StoreBusyError
+from megatron.core.dmi.store.backend import (
+    Backend,
+    BackendError,
+    ChdbBackend,
+    ServerBackend,
+    StoreBusyError,
+    take_pid_lock,
+)
 from megatron.core.dmi.store.ingest import IngestResult, ingest_spool, known_segment_ids
 from megatron.core.dmi.store.segments import list_segments
 from megatron.core.dmi.store_address import PASSWORD_ENV
@@ -349,18 +355,12 @@ def _lock_spool(store_dir: str) -> int:
     """Make this process the one ingester of the store folder's spool (another one would delete segments this
     one reads); StoreBusyError names the holder's pid. Returns the lock's file descriptor."""
     os.makedirs(store_dir, exist_ok=True)
-    fd = os.open(os.path.join(store_dir, SPOOL_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-        os.close(fd)
-        raise StoreBusyError(
+    return take_pid_lock(
+        os.path.join(store_dir, SPOOL_LOCK),
+        lambda holder: (
             f"the spool of {store_dir} is ingested by another process (pid {holder}), which loads it into its store"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+        ),
+    )
 
 
 def _mtime(path: str) -> float:
