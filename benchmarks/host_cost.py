@@ -185,10 +185,39 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def host_speed(device: torch.device) -> dict:
+    """Yardsticks of the host's own speed, so that figures of two lent hosts can be compared: a fixed
+    pure-Python loop (ms, least of 5) and one small in-place torch op on ``device`` (us per call, least of 5;
+    on a GPU a kernel launch through the dispatcher)."""
+    import time
+
+    def least(work, reps: int) -> float:
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            work()
+            best = min(best, (time.perf_counter() - t0) / reps)
+        return best
+
+    x = torch.zeros(16, device=device)
+
+    def ops() -> None:
+        for _ in range(2000):
+            x.add_(1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    return {
+        "python_loop_ms": least(lambda: sum(i * i for i in range(200_000)), 1) * 1e3,
+        "torch_op_us": least(ops, 2000) * 1e6,
+    }
+
+
 def run_facts(a, device: torch.device) -> dict:
-    """What a results JSON names: the device, the code, torch and the model's size."""
+    """What a results JSON names: the device, the code, torch, the model's size and the host's speed."""
     return {
         "device": device_name(device),
+        "host_speed": host_speed(device),
         "commit": subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         ).stdout.strip(),
@@ -251,7 +280,7 @@ def main() -> None:
         s = out[key]
         per_step = out.get(key.rsplit(".", 1)[0] + ".host_us_per_step", float("nan"))
         print(f"{key:<36}{s['median']:>12.1f}{s['p10']:>10.1f}{s['p90']:>10.1f}{s['firings']:>9}{per_step:>10.0f}")
-    print(f"device: {out['device']}")
+    print(f"device: {out['device']}; host speed: {out['host_speed']}")
     finish(a.out, out)
 
 

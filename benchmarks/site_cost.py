@@ -16,6 +16,9 @@ Per site and arm: microseconds per call (median and least of the blocks), DMI's 
 minus ``off``, medians), and per firing the Python and C function calls the training thread makes
 (``sys.setprofile``, which sees this thread only; the drain's thread is not counted) and the
 largest transient Python allocation (``tracemalloc``); counts do not depend on the host's load.
+On a GPU, ``--op-counts`` adds, per captured firing, the torch operators and CUDA runtime calls
+(kernel launches, copies, events) the firing makes, counted by ``torch.profiler`` over 50 firings:
+what a firing costs in native calls, which a slower host's Python speed does not change.
 
     python benchmarks/site_cost.py --device cpu --out benchmarks/results/site_cost_cpu2.json
 """
@@ -122,6 +125,24 @@ def per_firing_counts(call, n: int = 50) -> dict:
     return {"python_calls": events["call"] / n, "c_calls": events["c_call"] / n, "peak_alloc_bytes": peak}
 
 
+def per_firing_ops(call, n: int = 50) -> dict[str, float]:
+    """Torch operators and CUDA runtime calls per call, by name, most frequent first (the profiler's CPU-side events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            call()
+        torch.cuda.synchronize()
+    counted: dict[str, int] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CPU and event.name != "cudaDeviceSynchronize":
+            counted[event.name] = counted.get(event.name, 0) + 1
+    return {name: k / n for name, k in sorted(counted.items(), key=lambda kv: -kv[1])}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -133,6 +154,9 @@ def main() -> None:
     p.add_argument("--hooks", default="router,attn", help="the sessions' --dmi-hooks")
     p.add_argument("--calls", type=int, default=2000, help="calls per site, arm and block (captured: a third)")
     p.add_argument("--blocks", type=int, default=5, help="blocks of the three arms, alternated")
+    p.add_argument(
+        "--op-counts", action="store_true", help="on a GPU: torch operators and CUDA calls per captured firing"
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args()
 
@@ -165,6 +189,8 @@ def main() -> None:
                     us.setdefault((site, arm), []).append(per_call_us(call, n))
                     if count:
                         counts[f"{site}.{arm}"] = per_firing_counts(call)
+                        if a.op_counts and on_gpu and arm == "captured":
+                            counts[f"{site}.{arm}"]["ops_per_firing"] = per_firing_ops(call)
                     if on_gpu:
                         torch.cuda.synchronize()
         finally:
@@ -190,7 +216,11 @@ def main() -> None:
                 f"{site + '.' + arm:<20}{median:>10.2f}{min(us[(site, arm)]):>10.2f}{entry.get('dmi_us_per_call', 0.0):>10.2f}"
                 f"{entry['python_calls']:>10.1f}{entry['c_calls']:>9.1f}{entry['peak_alloc_bytes']:>9}"
             )
-    print(f"device: {out['device']}")
+    for key, entry in out.items():
+        if isinstance(entry, dict) and "ops_per_firing" in entry:
+            listed = ", ".join(f"{name} {k:g}" for name, k in list(entry["ops_per_firing"].items())[:25])
+            print(f"{key} per firing: {listed}")
+    print(f"device: {out['device']}; host speed: {out['host_speed']}")
     finish(a.out, out)
 
 
