@@ -26,6 +26,7 @@ A step is forward and backward of one micro-batch (megatron-core MoE GPT, local 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import tempfile
 import time
@@ -75,16 +76,22 @@ class Stepper:
         self.records = {True: [], False: []}  # records published per captured / uncaptured step
 
     def step(self, capture: bool) -> float:
-        """One forward and backward, captured or not; its wall seconds (device work included)."""
+        """One forward and backward, captured or not; its wall seconds (device work included). Python's
+        garbage collector is held off while the step is timed (Megatron's --manual-gc does the same for a
+        whole run): a collection landing in one step of a pair is noise that only more pairs would average out."""
         self.iteration += 1
         before = self.session.transport.stats.published
-        t0 = time.perf_counter()
-        self.session.before_forward(self.model, self.iteration, capture=capture)
-        loss = self.model(self.ids, self.pos, None, labels=self.ids)
-        loss.float().mean().backward()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - t0
+        gc.disable()
+        try:
+            t0 = time.perf_counter()
+            self.session.before_forward(self.model, self.iteration, capture=capture)
+            loss = self.model(self.ids, self.pos, None, labels=self.ids)
+            loss.float().mean().backward()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - t0
+        finally:
+            gc.enable()
         self.model.zero_grad(set_to_none=True)
         self.session.transport.settle()
         self.records[capture].append(self.session.transport.stats.published - before)
@@ -105,6 +112,8 @@ def run_arm(stepper: Stepper, a, rng: random.Random, seconds: float) -> tuple[li
     allow; (arm diffs, A/A diffs, off-step seconds)."""
     for _ in range(a.warmup):
         stepper.step(rng.random() < 0.5)
+    gc.collect()
+    gc.freeze()  # the model's and session's objects: later collections need not walk them
     arm, aa, off = [], [], []
     deadline = time.perf_counter() + seconds
     for _ in range(a.pairs):
