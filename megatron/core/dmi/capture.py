@@ -182,14 +182,6 @@ class Capture:
             record = self._sites[cache_key] = SiteRecord(output, key, self.transport.site_handle(key))
         return record
 
-    def publish_all(
-        self, layer: int, coords: ParallelCoords, where: Placement, tensors: dict[str, torch.Tensor]
-    ) -> int:
-        """Publish the outputs of one hook firing (output -> tensor, all at one placement) in one
-        transport call; returns how many were accepted."""
-        records = [self.site(output, layer, coords, where, tensor) for output, tensor in tensors.items()]
-        return self.publish_records(layer, coords.vpp, records, list(tensors.values()))
-
     def publish_records(self, layer: int, vpp: int, records: list[SiteRecord], tensors: list[torch.Tensor]) -> int:
         """Publish the records of one hook firing at ``layer`` of virtual pipeline stage ``vpp``
         (``records[i]`` with ``tensors[i]``) in one transport call; returns how many were accepted."""

@@ -30,20 +30,11 @@ from megatron.core.dmi.store_address import (
     parse_server_url,
     redact,
 )
-from megatron.core.dmi.validators import ConfigValueError, nice_increment, positive_int
+from megatron.core.dmi.validators import ConfigValueError, nice_increment, number, positive_int
 
 
 class CaptureWindowError(ConfigValueError):
     """The last captured iteration comes before the first."""
-
-
-def _number(value: str | float, expected: str) -> float:
-    try:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return float(value)
-    except ValueError:
-        pass
-    raise ConfigValueError(f"expected {expected}, got {value!r}")
 
 
 # The smallest ring accepted: one slot of the native ring (its ``transport.abi.SLOT_ALIGN``; a test
@@ -63,7 +54,7 @@ def ring_size_mb(value: str | float) -> float:
     Raises:
         ConfigValueError: not a number, or not a size a ring can have.
     """
-    mb = _number(value, "a size in MiB")
+    mb = number(value, "a size in MiB")
     if not (math.isfinite(mb) and mb * (1 << 20) >= MIN_RING_BYTES):
         raise ConfigValueError(f"ring size must hold at least one {MIN_RING_BYTES}-byte slot, got {value!r} MiB")
     return mb
@@ -107,7 +98,7 @@ def block_timeout_seconds(value: str | float) -> float:
     Raises:
         ConfigValueError: not a number, or out of that range.
     """
-    seconds = _number(value, "a number of seconds")
+    seconds = number(value, "a number of seconds")
     if not 0 < seconds <= MAX_BLOCK_TIMEOUT:
         raise ConfigValueError(f"expected seconds above 0 and at most {MAX_BLOCK_TIMEOUT:.0f} (a week), got {value!r}")
     return seconds
@@ -125,7 +116,7 @@ def spool_size_gb(value: str | float) -> float:
     Raises:
         ConfigValueError: not a number, or not a positive finite size.
     """
-    gb = _number(value, "a size in GiB")
+    gb = number(value, "a size in GiB")
     if not (math.isfinite(gb) and gb > 0):
         raise ConfigValueError(f"expected a size in GiB above 0, got {value!r}")
     return gb

@@ -9,6 +9,7 @@ raises a ``ValueError`` saying why) an argparse type whose refusal is argparse's
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 from megatron.core.dmi.errors import DMIError
@@ -30,6 +31,34 @@ def _integer(value: str | int, low: int, high: int | None, expected: str) -> int
     if not isinstance(n, int) or isinstance(n, bool) or n < low or (high is not None and n > high):
         raise ConfigValueError(f"expected {expected}, got {value!r}")
     return n
+
+
+def number(value: str | float, expected: str) -> float:
+    """``value`` (text or a number, not a bool) as a float; ConfigValueError saying ``expected`` if it is none."""
+    try:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return float(value)
+    except ValueError:
+        pass
+    raise ConfigValueError(f"expected {expected}, got {value!r}")
+
+
+def positive_seconds(value: str | float) -> float:
+    """An interval: finite seconds above 0.
+
+    Args:
+        value: the flag's text or a number.
+
+    Returns:
+        The seconds.
+
+    Raises:
+        ConfigValueError: not a number, or not finite and above 0.
+    """
+    seconds = number(value, "a number of seconds")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ConfigValueError(f"expected a number of seconds above 0, got {value!r}")
+    return seconds
 
 
 def positive_int(value: str | int) -> int:
@@ -65,4 +94,12 @@ def argparse_type[T](parse: Callable[[str], T]) -> Callable[[str], T]:
     return parse_arg
 
 
-__all__ = ["NICE_MAX", "ConfigValueError", "argparse_type", "nice_increment", "positive_int"]
+__all__ = [
+    "NICE_MAX",
+    "ConfigValueError",
+    "argparse_type",
+    "nice_increment",
+    "number",
+    "positive_int",
+    "positive_seconds",
+]

@@ -1,11 +1,13 @@
-"""Capture.publish_all: the outputs of one hook firing go to the transport in one call, each under
-its own site with the step's fields; what the ring drops is reported key by key."""
+"""HookSite.publish (through Capture.publish_records): the outputs of one hook firing go to the
+transport in one call, each under its own site with the step's fields; what the ring drops is
+reported key by key."""
 
 import torch
 
-from megatron.core.dmi.capture import Capture, Placement
+from megatron.core.dmi.capture import Capture
 from megatron.core.dmi.catalog import parse_hooks
 from megatron.core.dmi.config import DMIConfig
+from megatron.core.dmi.hooks.groups.base import HookSite, Shards
 from megatron.core.dmi.key import ParallelCoords
 from megatron.core.dmi.transport.abi import SLOT_ALIGN
 from megatron.core.dmi.transport.torch_ring import TorchRingTransport
@@ -33,8 +35,10 @@ def firing_capture(slots: int) -> Capture:
 
 def test_a_firings_outputs_arrive_in_order_with_their_keys_and_bytes():
     capture = firing_capture(slots=8)
-    coords = ParallelCoords(rank=1, ep=1)
-    assert capture.publish_all(5, coords, Placement(16, 32, 64), OUTPUTS) == 4
+    coords = ParallelCoords(rank=1, tp=1, ep=1)
+    # tensor-parallel rank 1 of 4 under sequence parallelism: this rank's 16 tokens are 16..32 of 64
+    site = HookSite(capture, 5, Shards(coords, tp=4, sequence_parallel=True), tuple(OUTPUTS))
+    assert site.publish(16, list(OUTPUTS.values())) == 4
     records = capture.transport.take(10, 0)
     assert [r.key.output for r in records] == list(OUTPUTS)
     for r in records:
@@ -42,16 +46,17 @@ def test_a_firings_outputs_arrive_in_order_with_their_keys_and_bytes():
         assert (k.run_id, k.phase, k.iteration, k.attempt, k.microbatch, k.invocation) == ("run-a", "train", 7, 3, 2, 0)
         assert (k.layer, k.coords, k.token_start, k.token_end, k.token_total) == (5, coords, 16, 32, 64)
         assert torch.equal(r.tensor(), OUTPUTS[k.output])
-    # a second firing of the same site reuses its key with the new step fields
+    # a second firing of the same site reuses its keys with the new step fields
     capture.set_microbatch(3)
-    capture.publish_all(5, coords, Placement(16, 32, 64), {"router.logits": OUTPUTS["router.logits"]})
-    (again,) = capture.transport.take(10, 0)
-    assert again.key == records[0].key.fired(records[0].key.firing._replace(microbatch=3))
+    site.publish(16, list(OUTPUTS.values()))
+    again = capture.transport.take(10, 0)
+    assert [r.key for r in again] == [r.key.fired(r.key.firing._replace(microbatch=3)) for r in records]
 
 
 def test_what_the_ring_drops_is_reported_key_by_key():
     capture = firing_capture(slots=2)
-    accepted = capture.publish_all(0, ParallelCoords(), Placement(0, 16, 16), OUTPUTS)
+    site = HookSite(capture, 0, Shards(ParallelCoords(), tp=1, sequence_parallel=False), tuple(OUTPUTS))
+    accepted = site.publish(16, list(OUTPUTS.values()))
     assert accepted == 2 and capture.transport.stats.dropped == 2
     dropped = capture.stats.dropped_keys
     assert [k.output for k in dropped] == ["router.topk_probs", "router.expert_counts"]

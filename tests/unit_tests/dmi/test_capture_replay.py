@@ -7,6 +7,8 @@ import torch
 from megatron.core.tensor_parallel.random import CheckpointWithoutOutput, checkpoint
 
 from megatron.core.dmi.hooks import HookSet
+from megatron.core.dmi.hooks.groups.base import HookSite, Shards
+from megatron.core.dmi.key import ParallelCoords
 from tests.unit_tests.dmi.hooks.model_fixtures import capture_for, tiny_gpt, tokens
 
 RECOMPUTE = {
@@ -47,6 +49,11 @@ def test_replays_rejected_or_kept_as_invocation_1(megatron_cpu, recompute, recor
         assert r.payload == o.payload  # the replay recomputes the same values, bitwise
 
 
+def attn_context_site(capture, layer: int) -> HookSite:
+    """The site a hook on a module standing in for core attention publishes through (one rank, no parallelism)."""
+    return HookSite(capture, layer, Shards(ParallelCoords(), tp=1, sequence_parallel=False), ("attn.context",))
+
+
 class Scaled(torch.nn.Module):
     """Stands in for a module recomputed through CheckpointWithoutOutput (moe_act, layernorm)."""
 
@@ -57,15 +64,13 @@ class Scaled(torch.nn.Module):
 @pytest.mark.parametrize("record_replays", [False, True])
 @pytest.mark.parametrize("kind", ["CheckpointFunction", "CheckpointWithoutOutput"])
 def test_module_level_checkpoints(megatron_cpu, kind, record_replays):
-    from megatron.core.dmi.capture import Placement
-    from megatron.core.dmi.key import ParallelCoords
-
     capture = capture_for("attn.context", record_replays=record_replays)
     capture.begin_step("train", 1)
     module = Scaled()
+    site = attn_context_site(capture, layer=0)
 
     def hook(m, args, out):
-        capture.publish_all(0, ParallelCoords(), Placement(0, 4, 4), {"attn.context": out.detach()})
+        site.publish(out.shape[0], (out.detach(),))
 
     module.register_forward_hook(hook)
     x = torch.randn(4, 3, requires_grad=True)
@@ -87,17 +92,17 @@ def test_module_level_checkpoints(megatron_cpu, kind, record_replays):
 def test_a_replay_without_its_original_forward_is_named(megatron_cpu):
     """A firing inside backward is a recompute replay; with record_replays it needs the original
     forward's microbatch, and one never recorded is an error naming the output and layer."""
-    from megatron.core.dmi.capture import Placement, ReplayWithoutOriginalError
+    from megatron.core.dmi.capture import ReplayWithoutOriginalError
     from megatron.core.dmi.errors import DMIError
-    from megatron.core.dmi.key import ParallelCoords
 
     capture = capture_for("attn.context", record_replays=True)
     capture.begin_step("train", 1)
+    site = attn_context_site(capture, layer=3)
     x = torch.randn(4, 3, requires_grad=True)
     y = x * 2
 
     def publish_in_backward(grad):
-        capture.publish_all(3, ParallelCoords(), Placement(0, 4, 4), {"attn.context": grad.detach()})
+        site.publish(grad.shape[0], (grad.detach(),))
 
     y.register_hook(publish_in_backward)
     with pytest.raises(ReplayWithoutOriginalError, match="replay of attn.context layer 3 without a recorded original"):

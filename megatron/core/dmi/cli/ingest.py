@@ -16,7 +16,7 @@ import os
 import sys
 
 from megatron.core.dmi.cli.common import add_subcommand, database_arg
-from megatron.core.dmi.validators import NICE_MAX, argparse_type, nice_increment, positive_int
+from megatron.core.dmi.validators import NICE_MAX, argparse_type, nice_increment, positive_int, positive_seconds
 
 
 def cmd_ingest(args) -> int:
@@ -79,7 +79,12 @@ def _setup_ingest(p):
     p.add_argument("store", help="the store directory (holding spool/, and chdb/ for the embedded store)")
     p.add_argument("--follow", action="store_true", help="keep ingesting until Ctrl-C or SIGTERM, then a final pass")
     p.add_argument("--database", type=database_arg, default="dmi")
-    p.add_argument("--poll-seconds", type=float, default=2.0, help="a pass at least this often (default 2)")
+    p.add_argument(
+        "--poll-seconds",
+        type=argparse_type(positive_seconds),
+        default=2.0,
+        help="a pass at least this often (seconds above 0; default 2)",
+    )
     p.add_argument(
         "--clickhouse-url",
         type=_url_arg,

@@ -18,7 +18,7 @@ import importlib
 _MODULE_OF = {
     "open_store": "store",
     "Store": "store",
-    "TensorSelection": "store",
+    "TensorSelection": "selection",
     "RunDescription": "store",
     "resolve_store_dir": "store",
     "open_spool_run": "spool",

@@ -30,8 +30,9 @@ import pyarrow.compute as pc
 
 from megatron.core.dmi import catalog
 from megatron.core.dmi.reader.attempts import json_field, pick_run, visible_attempt, visible_attempts
-from megatron.core.dmi.reader.errors import ReconstructionError, StoreError
+from megatron.core.dmi.reader.errors import AmbiguousLayerError, ReconstructionError, StoreError, format_ranges
 from megatron.core.dmi.reader.reconstruct import Rebuilt, expected_ranks, rebuild, rebuild_each, records_from_table
+from megatron.core.dmi.reader.selection import TensorSelection, selecting_in_run
 from megatron.core.dmi.records import Record
 from megatron.core.dmi.store.segments import (
     CorruptSegmentError,
@@ -41,8 +42,9 @@ from megatron.core.dmi.store.segments import (
     verify_segment,
 )
 
-# Where a kept record is filed: (phase, iteration, attempt, output, invocation, microbatch, layer, dp).
-_Place = tuple[str, int, int, str, int, int, int, int]
+# Where a kept record is filed: its tensor's (phase, iteration, attempt, output, invocation, microbatch), then
+# its (layer, data-parallel rank).
+_Tensor = tuple[str, int, int, str, int, int]
 
 
 def spool_only(store_dir: str) -> bool:
@@ -103,7 +105,7 @@ class SpoolRun:
         spool = os.path.join(self.location, "spool")
         present: set[tuple[str, int, int]] = set()
         layers: dict[tuple[str, str, int, int], set[int]] = defaultdict(set)
-        kept: dict[_Place, list[Record]] = defaultdict(list)
+        kept: dict[_Tensor, dict[tuple[int, int], list[Record]]] = defaultdict(lambda: defaultdict(list))
         damage: dict[tuple[str, int, int], str] = {}
         for seg in list_segments(spool):
             if seg.kind != "tensors":
@@ -120,8 +122,8 @@ class SpoolRun:
                 )
             for r in records_from_table(table):
                 k = r.key
-                kept[
-                    (k.phase, k.iteration, k.attempt, k.output, k.invocation, k.microbatch, k.layer, k.coords.dp)
+                kept[(k.phase, k.iteration, k.attempt, k.output, k.invocation, k.microbatch)][
+                    (k.layer, k.coords.dp)
                 ].append(r)
             for q in v.quarantined:  # records whose own checks failed; their keys verified (else _verified raised)
                 key = q.key
@@ -151,7 +153,12 @@ class SpoolRecords:
     visible: dict[tuple[str, int], int]  # (phase, iteration) -> the visible attempt
     damaged: dict[tuple[str, int], str]  # visible (phase, iteration) -> why some of its records were left out
     _layers: dict[tuple[str, str, int, int], set[int]]  # (phase, output, iteration, attempt) -> layers
-    _kept: dict[_Place, list[Record]]
+    _kept: dict[_Tensor, dict[tuple[int, int], list[Record]]]
+
+    @property
+    def run_id(self) -> str:
+        """The run these records are of."""
+        return self.run.run_id
 
     def iterations(self, phase: str = "train") -> list[int]:
         """The visible iterations of ``phase``."""
@@ -165,42 +172,36 @@ class SpoolRecords:
                 out |= found
         return out
 
-    def records(
-        self,
-        output: str,
-        iteration: int,
-        microbatch: int = 0,
-        layer: int = 0,
-        phase: str = "train",
-        dp: int = 0,
-        invocation: int = 0,
-    ) -> list[Record]:
+    @selecting_in_run
+    def records(self, sel: TensorSelection) -> list[Record]:
         """The kept shards of one tensor, from the visible attempt (StoreError when no attempt holds the
-        iteration)."""
-        attempt = visible_attempt(self.visible, self.run.run_id, phase, iteration)
-        return self._kept.get((phase, int(iteration), attempt, output, invocation, microbatch, layer, dp), [])
+        iteration), as ``Store.records`` selects them: ``layer=None``, at the one layer they were kept at
+        (AmbiguousLayerError when several); ``dp=None``, those of every data-parallel rank."""
+        attempt = visible_attempt(self.visible, self.run_id, sel.phase, sel.iteration)
+        at = self._kept.get((sel.phase, int(sel.iteration), attempt, sel.output, sel.invocation, sel.microbatch), {})
+        at = {(layer, dp): recs for (layer, dp), recs in at.items() if sel.dp is None or dp == sel.dp}
+        layer = sel.layer
+        if layer is None:
+            layers = sorted({layer for layer, _ in at})
+            if len(layers) > 1:
+                raise AmbiguousLayerError(sel.output, sel.iteration, format_ranges(layers))
+            layer = layers[0] if layers else None
+        return [r for (at_layer, _), recs in sorted(at.items()) if at_layer == layer for r in recs]
 
-    def rebuild(
-        self,
-        output: str,
-        iteration: int,
-        microbatch: int = 0,
-        layer: int = 0,
-        phase: str = "train",
-        dp: int = 0,
-        invocation: int = 0,
-    ) -> Rebuilt:
+    @selecting_in_run
+    def rebuild(self, sel: TensorSelection) -> Rebuilt:
         """One full tensor, as ``Store.rebuild`` rebuilds it (``mlp.experts``, gathered from every rank's records,
         is read through a store). Raises ReconstructionError on no records, a gap, an overlap or a conflict."""
-        spec = catalog.BY_NAME.get(output)
+        sel.check_one_rank()
+        spec = catalog.BY_NAME.get(sel.output)
         if spec is not None and spec.combine == "rows":
-            raise StoreError(f"{output} is rebuilt from every rank's records by a store: load the spool into one")
-        recs = self.records(output, iteration, microbatch, layer, phase, dp, invocation)
-        what = f"{output} run {self.run.run_id} {phase} iteration {iteration} microbatch {microbatch} layer {layer}"
+            raise StoreError(f"{sel.output} is rebuilt from every rank's records by a store: load the spool into one")
+        recs = self.records(sel)
+        what = sel.what(recs[0].key.layer if recs else sel.layer)
         if not recs:
-            raise ReconstructionError(f"{what}: no records (dp {dp}, invocation {invocation})")
+            raise ReconstructionError(f"{what}: no records (dp {sel.dp}, invocation {sel.invocation})")
         topology = self.run.topology.get(recs[0].key.attempt, [])
-        return rebuild(recs, output, what=what, expected_ranks=expected_ranks(topology, recs[0].key))
+        return rebuild(recs, sel.output, what=what, expected_ranks=expected_ranks(topology, recs[0].key))
 
     def rebuild_each(
         self, output: str, phase: str = "train", invocation: int = 0
@@ -209,8 +210,9 @@ class SpoolRecords:
         rank), as ``Store.rebuild_each`` returns them."""
         recs = [
             r
-            for (p, it, a, o, inv, *_), rs in self._kept.items()
+            for (p, it, a, o, inv, _), at in self._kept.items()
             if p == phase and o == output and inv == invocation and self.visible.get((p, it)) == a
+            for rs in at.values()
             for r in rs
         ]
         return rebuild_each(recs, output, what=f"{output} run {self.run.run_id} {phase}")

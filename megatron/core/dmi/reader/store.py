@@ -15,14 +15,12 @@ superseded (DESIGN section 7).
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
 import os
 import re
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +29,6 @@ import pandas as pd
 import pyarrow as pa
 
 from megatron.core.dmi import catalog
-from megatron.core.dmi.errors import InvalidArgumentError
 from megatron.core.dmi.reader.attempts import json_field, pick_run, visible_attempt, visible_attempts
 from megatron.core.dmi.reader.errors import (
     AmbiguousLayerError,
@@ -49,6 +46,7 @@ from megatron.core.dmi.reader.reconstruct import (
     rebuild_expert_rows,
     records_from_table,
 )
+from megatron.core.dmi.reader.selection import TensorSelection, selecting
 from megatron.core.dmi.reader.snapshot import ReaderSnapshot, SnapshotStats, link_spool, link_store, out_of_space
 from megatron.core.dmi.records import TENSOR_SCHEMA, Record
 from megatron.core.dmi.store import schema as S
@@ -65,41 +63,6 @@ _VISIBLE = (
     "attempt = transform(concat(phase, ':', toString(iteration)), {vis_keys:Array(String)}, "
     "{vis_attempts:Array(Int32)}, toInt32(-1))"
 )
-
-
-@dataclass(frozen=True)
-class TensorSelection:
-    """One stored tensor: ``output`` of run ``run_id`` at ``iteration`` (1-based) and ``microbatch`` of
-    ``phase``, at global ``layer`` (None: the one layer the run captured it at), data-parallel rank
-    ``dp`` (None, for ``records`` only: every rank's) and ``invocation`` (1: an activation-recompute
-    replay kept by ``--dmi-record-replays``). ``Store.records``, ``rebuild``, ``array`` and ``tensor``
-    take these fields, positionally or by name, or one ``TensorSelection``."""
-
-    run_id: str
-    output: str
-    iteration: int
-    microbatch: int = 0
-    layer: int | None = None
-    phase: str = "train"
-    dp: int | None = 0
-    invocation: int = 0
-
-
-def _selecting[R](method: Callable[[Store, TensorSelection], R]) -> Callable[..., R]:
-    """``method(store, selection)`` as a ``Store`` method that takes ``TensorSelection``'s fields
-    positionally or by name (its signature says so, for ``help`` and editors), or one selection: one
-    declaration of them serves every tensor method."""
-
-    @functools.wraps(method)
-    def with_fields(self: Store, *fields: Any, **by_name: Any) -> R:
-        given = fields[0] if len(fields) == 1 and not by_name else None
-        return method(self, given if isinstance(given, TensorSelection) else TensorSelection(*fields, **by_name))
-
-    own = inspect.signature(method)
-    with_fields.__signature__ = own.replace(
-        parameters=[own.parameters["self"], *inspect.signature(TensorSelection).parameters.values()]
-    )
-    return with_fields
 
 
 @dataclass
@@ -566,7 +529,7 @@ class Store:
         )
 
     # -- tensors ----------------------------------------------------------------------------
-    @_selecting
+    @selecting
     def records(self, sel: TensorSelection) -> list[Record]:
         """The stored shards of one tensor (checksums verified), from the visible attempt; ``dp=None``:
         those of every data-parallel rank."""
@@ -634,34 +597,30 @@ class Store:
                 f"{output} at iteration {iteration} was captured at layer(s) {format_ranges(got)}, not at layer {layer}"
             )
 
-    @_selecting
+    @selecting
     def tensor(self, sel: TensorSelection) -> torch.Tensor:
         """The full tensor rebuilt from every TP/SP/EP/CP/PP shard (see reconstruct.py for the rules), in torch,
         bitwise as stored. Raises ReconstructionError on a gap, an overlap or conflicting duplicates."""
         return self._rebuild(sel).torch()
 
-    @_selecting
+    @selecting
     def array(self, sel: TensorSelection) -> np.ndarray:
         """``tensor``'s values as a numpy array, without importing torch (bfloat16 widened exactly to float32)."""
         return self._rebuild(sel).values
 
-    @_selecting
+    @selecting
     def rebuild(self, sel: TensorSelection) -> Rebuilt:
         """``tensor`` without torch: the stored dtype's name and the values (``Rebuilt``)."""
         return self._rebuild(sel)
 
     def _rebuild(self, sel: TensorSelection) -> Rebuilt:
-        if sel.dp is None:
-            raise InvalidArgumentError(
-                f"{sel.output}: a tensor is rebuilt for one data-parallel rank (dp), not None; "
-                "records(..., dp=None) returns every rank's shards"
-            )
+        sel.check_one_rank()
         spec = catalog.BY_NAME.get(sel.output)
         rows = spec is not None and spec.combine == "rows"
         # an expert group's ranks hold each other's tokens' rows: read every data-parallel rank's records
         recs = self.records(replace(sel, dp=None) if rows else sel)
         layer = recs[0].key.layer if recs else sel.layer
-        what = f"{sel.output} run {sel.run_id} {sel.phase} iteration {sel.iteration} microbatch {sel.microbatch} layer {layer}"
+        what = sel.what(layer)
         if not recs:
             self._raise_no_records(sel.run_id, sel.output, sel.phase, sel.iteration, sel.layer)
             raise ReconstructionError(f"{what}: no records (dp {sel.dp}, invocation {sel.invocation})")

@@ -5,13 +5,13 @@ refused at start-up instead of deleting or overwriting the first run's open segm
 
 from __future__ import annotations
 
-import fcntl
 import os
 import socket
 import threading
 import time
 
 from megatron.core.dmi.errors import DMIError
+from megatron.core.dmi.store.backend import take_pid_lock
 
 
 class StoreInUseError(DMIError, RuntimeError):
@@ -36,23 +36,17 @@ def claim_rank_dir(folder: str, run_id: str) -> None:
         os.makedirs(folder, exist_ok=True)
         # Beside the folder, not in it: the folder empties as the ingester consumes it.
         lock = os.path.join(os.path.dirname(folder), f".{os.path.basename(folder)}.owner.lock")
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown process"
-            os.close(fd)
-            store = os.path.dirname(os.path.dirname(folder))
-            raise StoreInUseError(
+        store = os.path.dirname(os.path.dirname(folder))
+        fd = take_pid_lock(
+            lock,
+            lambda holder: (
                 f"--dmi-store-dir {store} is in use by another DMI run ({holder}); two runs cannot share "
                 f"a store directory: give this run its own --dmi-store-dir, or wait for that run to end"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(
-            fd,
-            f"pid {os.getpid()} on {socket.gethostname()}, run {run_id or '?'}, since "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(),
-            0,
+            ),
+            holder=f"pid {os.getpid()} on {socket.gethostname()}, run {run_id or '?'}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+            error=StoreInUseError,
+            unknown="unknown process",
         )
         _owned[folder] = [fd, 1]
 

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megatron.core.dmi.errors import InvalidArgumentError, UnsupportedOperationError
+from megatron.core.dmi.errors import InvalidArgumentError
 from megatron.core.dmi.key import ParallelCoords, RecordKey
 from megatron.core.dmi.records import table_nbytes
 from megatron.core.dmi.sinks.base import Sink, SpoolBacklog, Waiting
@@ -100,12 +100,16 @@ def default_spool_writers() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
-class _BufferedSink(DMISink):
-    """Buffers batches into segments of ``segment_bytes``/``segment_records``, or whatever is
-    buffered ``segment_seconds`` after its first batch (a timer: live readers see a step's records
-    within seconds even when no further batch comes), and hands each to ``_emit_records``: inline
-    when ``writers`` is 1, else on one of ``writers`` threads. ``spool_max_bytes`` bounds the tensor
-    segments waiting in this rank's spool for a store (``spool_backlog``; None: no bound)."""
+class SpoolSink(DMISink):
+    """``--dmi-persist spool``: Parquet segments only; ``megatron-dmi load`` loads them into a store later.
+
+    Buffers batches into segments of ``segment_bytes``/``segment_records``, or whatever is buffered
+    ``segment_seconds`` after its first batch (a timer: live readers see a step's records within seconds
+    even when no further batch comes), and writes each to the spool: inline when ``writers`` is 1, else on
+    one of ``writers`` threads. ``spool_max_bytes`` bounds the tensor segments waiting in this rank's spool
+    for a store (``spool_backlog``; None: no bound)."""
+
+    name = "spool"
 
     def __init__(
         self,
@@ -113,12 +117,13 @@ class _BufferedSink(DMISink):
         coords: ParallelCoords,
         spool_root: str,
         *,
-        segment_bytes: int = 64 << 20,
+        segment_bytes: int = 256 << 20,  # few, large segments: few GIL round trips per byte
         segment_records: int = 8192,
         segment_seconds: float = 2.0,
-        writers: int = 1,
+        writers: int | None = None,
         spool_max_bytes: int | None = None,
     ):
+        """Spool under ``spool_root`` with ``writers`` writer threads (None: ``default_spool_writers()``)."""
         super().__init__(run_id, coords)
         self.spool_root = spool_root
         self.spool = SpoolWriter(spool_root, coords.rank, run_id)
@@ -135,6 +140,8 @@ class _BufferedSink(DMISink):
         self._buf_since = 0.0
         self._drops: list[tuple[RecordKey, str, datetime]] = []
         self._io_lock = threading.Lock()
+        if writers is None:
+            writers = default_spool_writers()
         if writers < 1:
             raise InvalidArgumentError(f"writers must be >= 1, not {writers}")
         self.writers = writers
@@ -146,6 +153,7 @@ class _BufferedSink(DMISink):
 
     # -- contract ---------------------------------------------------------------------------
     def write_table(self, table: pa.Table) -> None:
+        """Buffer ``table``; write the buffer as a segment once it is due (or drop and count it after close)."""
         if table.num_rows == 0:
             return
         nbytes = table_nbytes(table)
@@ -182,12 +190,14 @@ class _BufferedSink(DMISink):
             self._drain_buffers(records_only=True)
 
     def write_run(self, info: RunInfo) -> None:
+        """Write the run's runs and topology segments."""
         super().write_run(info)
         with self._io_lock:
             self._emit_meta("runs", runs_table(info))
             self._emit_meta("topology", topology_table(info))
 
     def write_drops(self, keys: Sequence[RecordKey], reason: str) -> None:
+        """Keep the dropped keys for the drops segment the next ``flush()`` writes."""
         now = datetime.now(UTC)
         with self._buf_lock:
             self._drops.extend((k, reason, now) for k in keys)
@@ -224,6 +234,7 @@ class _BufferedSink(DMISink):
         self._drain_buffers(records_only=False)
 
     def close(self) -> DMISinkReport:
+        """Flush, write this rank's report segment, give up the rank folder; the report (once: later calls return it)."""
         with self._buf_lock:
             if self._closed:
                 return self.report
@@ -256,10 +267,10 @@ class _BufferedSink(DMISink):
             self.report.errors.extend(n["errors"])  # the drain logged each when it happened
 
     def _before_report(self) -> None:
-        pass
+        """What a subclass does once everything is written, before this rank's report segment (StoreSink ingests)."""
 
     def _after_close(self) -> None:
-        pass
+        """What a subclass does after the report segment (StoreSink finishes its ingester)."""
 
     def _drain_buffers(self, records_only: bool) -> None:
         with self._buf_lock:
@@ -329,26 +340,6 @@ class _BufferedSink(DMISink):
             log.error(msg)
             self._error(msg)
             return False
-
-    def _emit_records(self, table: pa.Table, n: int, nbytes: int) -> None:
-        raise UnsupportedOperationError(f"{type(self).__name__} emits no records")
-
-    def _emit_meta(self, kind: str, table: pa.Table) -> None:
-        raise UnsupportedOperationError(f"{type(self).__name__} emits no {kind} rows")
-
-
-class SpoolSink(_BufferedSink):
-    """``--dmi-persist spool``: Parquet segments only; ``megatron-dmi load`` loads
-    them into a store later."""
-
-    name = "spool"
-
-    def __init__(self, run_id: str, coords: ParallelCoords, spool_root: str, **kw):
-        """Spool under ``spool_root``, by default with ``default_spool_writers()`` writer threads and 256 MiB
-        segments."""
-        kw.setdefault("writers", default_spool_writers())
-        kw.setdefault("segment_bytes", 256 << 20)  # few, large segments: few GIL round trips per byte
-        super().__init__(run_id, coords, spool_root, **kw)
 
     def _emit_records(self, table, n, nbytes):
         ok = self._spool("tensors", table, durable=False)

@@ -237,18 +237,26 @@ def insert_streams(data: pa.Table, streams: int) -> tuple[pa.Table, dict[str, in
     return pa.Table.from_batches(pieces, schema=data.schema), settings
 
 
-def take_pid_lock(path: str, busy: Callable[[str], str]) -> int:
-    """Hold the ``flock`` of the file at ``path`` for this process and write its pid there; its descriptor.
-    ``StoreBusyError(busy(holder pid))`` when another process holds it."""
+def take_pid_lock(
+    path: str,
+    busy: Callable[[str], str],
+    *,
+    holder: str | None = None,
+    error: type[DMIError] = StoreBusyError,
+    unknown: str = "?",
+) -> int:
+    """Hold the ``flock`` of the file at ``path`` for this process and write ``holder`` there (by default
+    this process's pid); its descriptor. ``error(busy(text))`` when another process holds it, ``text``
+    being what that process wrote (``unknown`` while it has written nothing yet)."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        text = os.pread(fd, 512, 0).decode(errors="replace").strip() or unknown
         os.close(fd)
-        raise StoreBusyError(busy(holder)) from None
+        raise error(busy(text)) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    os.pwrite(fd, f"{os.getpid() if holder is None else holder}\n".encode(), 0)
     return fd
 
 

@@ -7,7 +7,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from megatron.core.dmi.reader.errors import StoreError
+from megatron.core.dmi.errors import InvalidArgumentError
+from megatron.core.dmi.reader.errors import AmbiguousLayerError, StoreError
+from megatron.core.dmi.reader.selection import TensorSelection
 from megatron.core.dmi.reader.spool import open_spool_run, spool_only
 from megatron.core.dmi.records import records_to_table
 from megatron.core.dmi.sinks.spool import SpoolWriter
@@ -45,6 +47,30 @@ def test_it_sees_the_attempts_and_tensors_the_chdb_reader_sees(resumed):
         records.rebuild("router.logits", 7)
 
 
+def test_a_tensor_is_selected_as_the_chdb_reader_selects_it(resumed):
+    """``records`` and ``rebuild`` take the chDB reader's ``TensorSelection`` (its fields but the run, or one
+    selection of this run), with its defaults: the one layer captured, one data-parallel rank to rebuild."""
+    records = open_spool_run(resumed).read_records(output=["router.logits"])
+    sel = TensorSelection(W.RUN, "router.logits", 4, layer=1)
+    theirs = run_isolated(W.store_call, resumed, "rebuild", sel)
+    for mine in (
+        records.rebuild(sel),
+        records.rebuild("router.logits", 4, 0, 1, "train", 0, 0),
+        records.rebuild(output="router.logits", iteration=4, layer=1),
+    ):
+        assert mine.dtype == theirs.dtype and np.array_equal(mine.values, theirs.values)
+    assert [r.key for r in records.records(sel)] == [
+        r.key for r in records.records("router.logits", 4, layer=1, dp=None)
+    ]
+    assert len(records.records(sel)) == 2  # both sequence-parallel shards
+    with pytest.raises(AmbiguousLayerError, match="^router.logits at iteration 4 has layers 0-1: pass layer=$"):
+        records.rebuild("router.logits", 4)
+    with pytest.raises(InvalidArgumentError, match="rebuilt for one data-parallel rank"):
+        records.rebuild(sel.output, 4, layer=1, dp=None)
+    with pytest.raises(StoreError, match=f"reads run '{W.RUN}', not 'other'"):
+        records.records(TensorSelection("other", "router.logits", 4, layer=1))
+
+
 def test_runs_are_named_as_the_chdb_reader_names_them(resumed, tmp_path):
     with pytest.raises(StoreError, match=f"no run 'nope' in {resumed} \\(runs: {W.RUN}\\)"):
         open_spool_run(resumed, "nope")
@@ -80,5 +106,8 @@ def test_a_record_failing_its_checksum_is_left_out_and_its_iteration_named(tmp_p
     assert records.damaged == {
         ("train", 1): f"a record in spool segment {name} failed verification (payload CRC mismatch)"
     }
-    assert records.rebuild("router.logits", 1).shape == (8, 4)  # its verified copy (the first segment) rebuilds
+    assert records.rebuild("router.logits", 1, layer=0).shape == (
+        8,
+        4,
+    )  # its verified copy (the first segment) rebuilds
     assert not open_spool_run(store).read_records(output=["router.expert_counts"]).damaged  # not what was read

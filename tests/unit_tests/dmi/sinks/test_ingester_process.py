@@ -65,6 +65,16 @@ def test_ingest_checks_its_values_as_the_training_flags_do_without_torch(tmp_pat
         assert r.returncode == 2 and f"argument {flag}: {refused.value}" in r.stderr, r.stderr
 
 
+def test_ingest_refuses_a_poll_interval_that_is_not_above_zero(tmp_path):
+    d = str(tmp_path / "store")
+    os.makedirs(d)
+    for bad in ("0", "-1", "nan", "inf"):
+        r = _ingest(d, "--poll-seconds", bad)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"argument --poll-seconds: expected a number of seconds above 0, got '{bad}'" in r.stderr, r.stderr
+    assert _ingest(d, "--poll-seconds", "0.5").returncode == 0
+
+
 def test_supervisor_sync_then_finish(tmp_path):
     """A run's supervisor: the ingester loads what was spooled before ``sync`` returns, and ``finish``
     ends the process (it closes the store: a second ingester can open it)."""
