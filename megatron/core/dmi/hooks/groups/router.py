@@ -182,7 +182,8 @@ def layer_site(hooks: SiteInstaller, module: TransformerLayer, coords: ParallelC
             return probs, routing_map
         pre = take_pre_drop()
         pre_probs, pre_map = pre if pre is not None else (probs, routing_map)
-        flat_logits = logits.reshape(-1, logits.shape[-1])
+        # megatron-core's router hands [tokens, E] already: a reshape would cost two dispatcher calls per firing
+        flat_logits = logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])
         ids = weights = counts = selected = None
         grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # a no_grad context costs microseconds more per firing
