@@ -34,6 +34,7 @@ import socket
 import statistics
 import subprocess
 import tempfile
+import time
 
 import torch
 from hook_clock import HookClock  # benchmarks/ is the script directory
@@ -189,7 +190,6 @@ def host_speed(device: torch.device) -> dict:
     """Yardsticks of the host's own speed, so that figures of two lent hosts can be compared: a fixed
     pure-Python loop (ms, least of 5) and one small in-place torch op on ``device`` (us per call, least of 5;
     on a GPU a kernel launch through the dispatcher)."""
-    import time
 
     def least(work, reps: int) -> float:
         best = float("inf")

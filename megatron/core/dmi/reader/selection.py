@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron.core.dmi.errors import InvalidArgumentError
-from megatron.core.dmi.reader.errors import StoreError
+from megatron.core.dmi.reader.errors import ReconstructionError, StoreError
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,10 @@ class TensorSelection:
             f"{self.output} run {self.run_id} {self.phase} iteration {self.iteration} "
             f"microbatch {self.microbatch} layer {layer}"
         )
+
+    def no_records(self, layer: int | None) -> ReconstructionError:
+        """The error of a rebuild that found no records of this tensor at ``layer``."""
+        return ReconstructionError(f"{self.what(layer)}: no records (dp {self.dp}, invocation {self.invocation})")
 
     def check_one_rank(self) -> None:
         """InvalidArgumentError unless ``dp`` names one data-parallel rank: a tensor is rebuilt for one."""

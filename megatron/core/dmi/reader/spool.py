@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 
 from megatron.core.dmi import catalog
 from megatron.core.dmi.reader.attempts import json_field, pick_run, visible_attempt, visible_attempts
-from megatron.core.dmi.reader.errors import AmbiguousLayerError, ReconstructionError, StoreError, format_ranges
+from megatron.core.dmi.reader.errors import AmbiguousLayerError, StoreError, format_ranges
 from megatron.core.dmi.reader.reconstruct import Rebuilt, expected_ranks, rebuild, rebuild_each, records_from_table
 from megatron.core.dmi.reader.selection import TensorSelection, selecting_in_run
 from megatron.core.dmi.records import Record
@@ -197,9 +197,9 @@ class SpoolRecords:
         if spec is not None and spec.combine == "rows":
             raise StoreError(f"{sel.output} is rebuilt from every rank's records by a store: load the spool into one")
         recs = self.records(sel)
-        what = sel.what(recs[0].key.layer if recs else sel.layer)
         if not recs:
-            raise ReconstructionError(f"{what}: no records (dp {sel.dp}, invocation {sel.invocation})")
+            raise sel.no_records(sel.layer)
+        what = sel.what(recs[0].key.layer)
         topology = self.run.topology.get(recs[0].key.attempt, [])
         return rebuild(recs, sel.output, what=what, expected_ranks=expected_ranks(topology, recs[0].key))
 

@@ -34,7 +34,6 @@ from megatron.core.dmi.reader.errors import (
     AmbiguousLayerError,
     DiskFullError,
     NotAStoreError,
-    ReconstructionError,
     StoreError,
     format_ranges,
 )
@@ -623,7 +622,7 @@ class Store:
         what = sel.what(layer)
         if not recs:
             self._raise_no_records(sel.run_id, sel.output, sel.phase, sel.iteration, sel.layer)
-            raise ReconstructionError(f"{what}: no records (dp {sel.dp}, invocation {sel.invocation})")
+            raise sel.no_records(layer)
         if rows:
             topo = self.topology(sel.run_id, recs[0].key.attempt)
             sources = {int(r["rank"]): (int(r["dp"]), int(r["tp"])) for _, r in topo.iterrows()}
