@@ -36,21 +36,22 @@ threads (``thread_cpu_s``: on a loaded machine the wall time says little, but wo
 threads is work that more cores run side by side), the parts left and the compression ratio the store
 reached (``system.columns``).
 
-**Ingest pass** (``--ingest``): the product's path end to end. For each ``--ingest-record-kb`` and
-``--ingest-codecs``, a ``SpoolSink`` spools ``--total-mb`` of records into Parquet segments of
-``--ingest-segment-mb`` (not timed), then ``ingest_spool`` loads them into a fresh store of the real
+**Ingest pass** (``--ingest``): the product's path end to end. For each ``--ingest-record-kb``,
+``--ingest-formats`` and ``--ingest-codecs``, ``--total-mb`` of records are spooled (not timed) into
+segments of ``--ingest-segment-mb``: ``raw`` ones by the JIT-built native ring on the host and its
+drain, as a training writes them, or ``parquet`` ones by a ``SpoolSink`` (the Python transport's); then ``ingest_spool`` loads them into a fresh store of the real
 schema (``ensure_schema(payload_codec=...)``) with ``max_batch_bytes`` = ``--ingest-batch-mb``: GiB/s
 of payload, the pass's seconds by stage (``IngestResult.seconds``: verify = waiting for segments to be
 read and every CRC checked, insert, read_back, record) and the read-back's share of the pass (the
 ingester's budget: <= 5 %). ``--ingest-streams``: the ingester's chDB threads, which are also the
 streams of each insert (``ChdbBackend.bound_threads``, ``--dmi-ingest-threads``); ``--ingest-merges off``
 stops the store's background merges (the pass alone). ``--read-ahead off``
-leaves the pass's reading thread idle, so each segment is verified in turn (as before it existed). It
-also times reading the segments with and without ``memory_map`` (``pq.read_table``).
+leaves the pass's reading threads idle, so each segment is verified in turn (as before they existed). It
+also times verifying every segment on one thread alone (``verify_alone_s``, the "alone" column).
 
     python benchmarks/ingest_throughput.py --codecs 'ZSTD(1)' LZ4 NONE --record-mb 32 --batch-mb 64 256 \
         --paths python streams file arrow union --parallel 1 2 4 --merges on off --total-mb 1024 \
-        --ingest --ingest-record-kb 32768 128 --ingest-streams 1 2 4 --ingest-merges on off --read-ahead on off \
+        --ingest --ingest-record-kb 32768 128 --ingest-streams 1 2 4 --ingest-formats raw parquet --ingest-merges on off --read-ahead on off \
         --json benchmarks/results/ingest_throughput_<host>.json
 
 ``--quick`` is a smoke run of every path with small sizes (seconds; its figures mean nothing).
@@ -71,7 +72,6 @@ import time
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 from chdb import session as chs
 from results_json import write_json  # benchmarks/ is the script directory
 
@@ -295,6 +295,32 @@ def measure_store(
     }
 
 
+def spool_raw(sink, size: int, per_segment: int, n_segments: int, pool: list[bytes]) -> None:
+    """The training's path to the spool: ``make_records``' records published into the JIT-built native ring on the
+    host, its drain writing them as raw ``.dmiraw`` segments of ``per_segment`` records (closed by a flush)."""
+    import torch
+    from persist_throughput import make_records
+
+    from megatron.core.dmi.config import DMIConfig
+    from megatron.core.dmi.drain import Drain
+    from megatron.core.dmi.transport.native import NativeRingTransport
+
+    ring = NativeRingTransport(max(64 << 20, 4 * size), "block", "cpu", block_timeout=DMIConfig.block_timeout)
+    drain = Drain(ring, sink, linger_bytes=0)
+    if not drain.native:
+        raise SystemExit("the native ring's spool writer is not available here (megatron-dmi doctor --build says why)")
+    for it in range(n_segments):
+        for r in make_records(size, per_segment, it + 1, pool):
+            x = torch.frombuffer(bytearray(r.payload), dtype=torch.bfloat16).view(r.key.shape)
+            ring.publish(r.key, x)
+        drain.flush()  # closes the segment
+    drain.close()
+    ring.close()
+    written = sink.close().records_written
+    if written != per_segment * n_segments:
+        raise SystemExit(f"the native ring wrote {written} of {per_segment * n_segments} records")
+
+
 def measure_ingest(
     root: str,
     codec: str,
@@ -305,10 +331,11 @@ def measure_ingest(
     read_ahead: str,
     streams: int = 1,
     merges: str = "on",
+    segment_format: str = "raw",
 ) -> dict:
-    """Spool ``total_mb`` of ``record_kb`` records (untimed), then one timed ``ingest_spool`` pass into a fresh store
-    whose backend runs ``streams`` chDB threads (the ingester's ``bound_threads``); ``merges="off"`` stops the
-    store's background merges (the pass alone)."""
+    """Spool ``total_mb`` of ``record_kb`` records (untimed) as ``segment_format`` segments, then one timed
+    ``ingest_spool`` pass into a fresh store whose backend runs ``streams`` chDB threads (the ingester's
+    ``bound_threads``); ``merges="off"`` stops the store's background merges (the pass alone)."""
     from persist_throughput import make_records  # the same records as the persistence benchmark
 
     from megatron.core.dmi.key import ParallelCoords
@@ -316,7 +343,7 @@ def measure_ingest(
     from megatron.core.dmi.store import schema as S
     from megatron.core.dmi.store.backend import ChdbBackend
     from megatron.core.dmi.store.ingest import _IngestPass, ingest_spool
-    from megatron.core.dmi.store.segments import list_segments
+    from megatron.core.dmi.store.segments import list_segments, verify_segment
 
     where = tempfile.mkdtemp(dir=root)
     size = int(record_kb * 1024) // 2 * 2
@@ -333,17 +360,22 @@ def measure_ingest(
         segment_records=1 << 30,
         segment_seconds=1e9,
     )
-    for it in range(n_segments):
-        sink.write(make_records(size, per_segment, it + 1, pool))
-    sink.flush()
-    sink.close()
+    if segment_format == "raw":
+        spool_raw(sink, size, per_segment, n_segments, pool)
+    else:
+        for it in range(n_segments):
+            sink.write(make_records(size, per_segment, it + 1, pool))
+        sink.flush()
+        sink.close()
     segs = [s for s in list_segments(spool) if s.kind == "tensors"]
-    read = {}
-    for memory_map in (False, True):
-        t0 = time.perf_counter()
-        for s in segs:
-            pq.read_table(s.path, page_checksum_verification=True, memory_map=memory_map)
-        read["read_mmap_s" if memory_map else "read_plain_s"] = time.perf_counter() - t0
+    if not segs or any(s.raw != (segment_format == "raw") for s in segs):
+        raise SystemExit(
+            f"expected {segment_format} segments, the spool holds {[os.path.basename(s.path) for s in segs]}"
+        )
+    t0 = time.perf_counter()
+    for s in segs:
+        verify_segment(s)
+    verify_alone = time.perf_counter() - t0
     backend = ChdbBackend(os.path.join(where, "store", "chdb"))
     load = load_average()
     try:
@@ -372,6 +404,7 @@ def measure_ingest(
     return {
         "codec": codec,
         "record_kb": record_kb,
+        "format": segment_format,
         "read_ahead": read_ahead,
         "streams": streams,
         "merges": merges,
@@ -386,7 +419,7 @@ def measure_ingest(
         "thread_cpu_s": busiest,
         "seconds": {"total": wall, **r.seconds},
         "read_back_share": r.seconds["read_back"] / wall,
-        **read,
+        "verify_alone_s": verify_alone,
         "load_before": load,
     }
 
@@ -414,6 +447,13 @@ def main() -> None:
     p.add_argument("--ingest-batch-mb", type=float, default=256, help="the ingester's max_batch_bytes, MiB")
     p.add_argument("--ingest-segment-mb", type=float, default=64, help="spool segment size, MiB (the sinks' default)")
     p.add_argument("--ingest-streams", nargs="+", type=int, default=[1], help="the ingester's chDB threads")
+    p.add_argument(
+        "--ingest-formats",
+        nargs="+",
+        choices=["raw", "parquet"],
+        default=["raw"],
+        help="spool segments: raw (the native ring's, as training writes them) or parquet (the Python transport's)",
+    )
     p.add_argument("--ingest-merges", nargs="+", choices=["on", "off"], default=["on"], help="off: merges stopped")
     p.add_argument(
         "--read-ahead", nargs="+", choices=["on", "off"], default=["on"], help="off: verify each segment in turn"
@@ -435,6 +475,7 @@ def main() -> None:
         a.total_mb, a.batch_mb = 128, [128]  # two streams of 64 MiB (MIN_STREAM_BYTES)
         a.ingest_record_kb, a.ingest_batch_mb, a.ingest_segment_mb = [1024], 128, 32
         a.ingest_streams = [1, 2]
+        a.ingest_formats = ["raw", "parquet"]
         a.read_ahead = ["on", "off"]
     root = a.dir or tempfile.mkdtemp(prefix="dmi_ingest_")
     os.makedirs(root, exist_ok=True)
@@ -487,13 +528,20 @@ def main() -> None:
                     )
         if a.ingest:
             print(
-                f"\n{'rec KiB':>7} {'codec':>6} {'ahead':>5} {'str':>3} {'merges':>6} {'GiB/s':>6} {'cores':>5} {'cpu/GiB':>7} {'verify':>6} {'insert':>6} {'readbk':>6} {'record':>6} {'rb %':>5} {'read s':>6} {'mmap s':>6} {'load':>5}  busiest threads"
+                f"\n{'rec KiB':>7} {'format':>7} {'codec':>6} {'ahead':>5} {'str':>3} {'merges':>6} {'GiB/s':>6} {'cores':>5} {'cpu/GiB':>7} {'verify':>6} {'insert':>6} {'readbk':>6} {'record':>6} {'rb %':>5} {'alone':>6} {'load':>5}  busiest threads"
             )
             combos = list(
-                itertools.product(a.ingest_record_kb, a.ingest_codecs, a.read_ahead, a.ingest_streams, a.ingest_merges)
+                itertools.product(
+                    a.ingest_record_kb,
+                    a.ingest_formats,
+                    a.ingest_codecs,
+                    a.read_ahead,
+                    a.ingest_streams,
+                    a.ingest_merges,
+                )
             )
             for rep in range(a.repeats):
-                for record_kb, codec, ahead, streams, merges in combos:
+                for record_kb, fmt, codec, ahead, streams, merges in combos:
                     r = measure_ingest(
                         root,
                         codec,
@@ -504,14 +552,15 @@ def main() -> None:
                         ahead,
                         streams,
                         merges,
+                        fmt,
                     )
                     r["repeat"] = rep
                     ingest_rows.append(r)
                     s = r["seconds"]
                     print(
-                        f"{record_kb:>7g} {codec:>6} {ahead:>5} {streams:>3} {merges:>6} {r['GiBps']:>6.3f} {r['cores_used']:>5.2f} {r['cpu_s_per_GiB']:>7.2f} "
+                        f"{record_kb:>7g} {fmt:>7} {codec:>6} {ahead:>5} {streams:>3} {merges:>6} {r['GiBps']:>6.3f} {r['cores_used']:>5.2f} {r['cpu_s_per_GiB']:>7.2f} "
                         f"{s['verify']:>6.2f} {s['insert']:>6.2f} {s['read_back']:>6.2f} {s['record']:>6.2f} {100 * r['read_back_share']:>5.1f} "
-                        f"{r['read_plain_s']:>6.2f} {r['read_mmap_s']:>6.2f} {r['load_before']:>5.1f}  {r['thread_cpu_s']}",
+                        f"{r['verify_alone_s']:>6.2f} {r['load_before']:>5.1f}  {r['thread_cpu_s']}",
                         flush=True,
                     )
     finally:

@@ -17,6 +17,7 @@ from megatron.core.dmi.cli.common import (
     run_arg,
     store_arg,
 )
+from megatron.core.dmi.validators import argparse_type, positive_int
 
 
 # -- commands ---------------------------------------------------------------------------------
@@ -263,7 +264,7 @@ def cmd_load(args) -> int:
             raise
         return _load_beside_ingester(src, target, store_dir, holder)
     with store:
-        r = store.load(src, delete=args.delete, progress=sys.stderr.isatty())
+        r = store.load(src, delete=args.delete, progress=sys.stderr.isatty(), threads=args.threads)
     print(
         f"loaded {r.segments_loaded} segment(s): {r.records} record(s), {fmt_bytes(r.payload_bytes)} of payload; "
         f"{r.segments_skipped} already present, {r.segments_corrupt} corrupt, {r.segments_partial} partly "
@@ -390,6 +391,13 @@ def _setup_load(p):
     p.add_argument("--store", dest="store_target", required=True, help="target store directory or ClickHouse URL")
     p.add_argument("--database", type=database_arg, default="dmi")
     p.add_argument("--delete", action="store_true", help="delete segments once loaded")
+    p.add_argument(
+        "--threads",
+        type=argparse_type(positive_int),
+        default=None,
+        help="the embedded store's chDB threads, or parallel inserts into a server (default: a quarter of the "
+        "cores, 1-4, as the ingester's)",
+    )
     p.set_defaults(func=cmd_load)
 
 

@@ -29,6 +29,7 @@ import pandas as pd
 import pyarrow as pa
 
 from megatron.core.dmi import catalog
+from megatron.core.dmi.errors import InvalidArgumentError
 from megatron.core.dmi.reader.attempts import json_field, pick_run, visible_attempt, visible_attempts
 from megatron.core.dmi.reader.errors import (
     AmbiguousLayerError,
@@ -311,19 +312,19 @@ def _first_line(exc: BaseException) -> str:
     return (text.strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
-def _ingest_with_progress(backend: Backend, spool: str, delete: bool, progress: bool) -> IngestResult:
+def _ingest_with_progress(backend: Backend, spool: str, delete: bool, progress: bool, streams: int = 1) -> IngestResult:
     from megatron.core.dmi.store.segments import list_segments
 
     segs = list_segments(spool)
     if not segs:
         return IngestResult()
     if not progress:
-        return ingest_spool(backend, spool, delete=delete)
+        return ingest_spool(backend, spool, delete=delete, streams=streams)
     from tqdm import tqdm
 
     total = sum(s.size for s in segs)
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading spool") as bar:
-        return ingest_spool(backend, spool, delete=delete, progress=bar.update)
+        return ingest_spool(backend, spool, delete=delete, streams=streams, progress=bar.update)
 
 
 class Store:
@@ -381,13 +382,22 @@ class Store:
         """Run SQL (as ``sql``) and return the result as a pandas DataFrame."""
         return self.sql(query, params).to_pandas()
 
-    def load(self, spool_root: str, delete: bool = False, progress: bool = False) -> IngestResult:
+    def load(
+        self, spool_root: str, delete: bool = False, progress: bool = False, threads: int | None = None
+    ) -> IngestResult:
         """Load spool segments from another directory (``--dmi-persist spool`` output) into a store
-        opened with ``writable=True``."""
+        opened with ``writable=True``, on ``threads`` threads (default: the ingester's, a quarter of the cores,
+        1 to 4): the embedded store's chDB threads, or parallel inserts into a server. For the embedded store
+        they stay the session's threads afterwards."""
         if self.read_only:
             raise StoreError(f"{self.location} is open for reading only: open it with writable=True to load")
+        if threads is not None and threads < 1:
+            raise InvalidArgumentError(f"threads must be >= 1, not {threads}")
+        from megatron.core.dmi.store.ingester import default_ingest_threads
+
+        streams = self.backend.use_threads(threads or default_ingest_threads())
         self._visible_cache.clear()
-        return _ingest_with_progress(self.backend, spool_root, delete=delete, progress=progress)
+        return _ingest_with_progress(self.backend, spool_root, delete=delete, progress=progress, streams=streams)
 
     # -- runs -------------------------------------------------------------------------------
     def runs(self) -> pd.DataFrame:

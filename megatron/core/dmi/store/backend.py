@@ -64,6 +64,7 @@ class Backend(ABC):
     database: str
     description: str
     payload_codec: str | None = None  # the store's payload codec, known once ensure_schema ran
+    insert_streams: int = 1  # pipelines one large insert runs side by side (the embedded store's ``bound_threads``)
 
     @abstractmethod
     def command(self, sql: str, params: dict[str, Any] | None = None) -> None:
@@ -84,6 +85,11 @@ class Backend(ABC):
     def free_bytes(self) -> int | None:
         """Free space on the store's file system (None: not known here, e.g. a server)."""
         return None
+
+    def use_threads(self, threads: int) -> int:
+        """Let a load use ``threads`` threads; returns how many batches ``ingest_spool`` should insert at once
+        (``streams``). A server takes that many parallel inserts, each its own request."""
+        return threads
 
     def t(self, table: str) -> str:
         """Qualified, validated table name."""
@@ -313,6 +319,11 @@ class ChdbBackend(Backend):
         self.command(f"SET max_threads = {int(threads)}")
         self.command(f"SET max_insert_threads = {int(threads)}")
         self.insert_streams = int(threads)
+
+    def use_threads(self, threads: int) -> int:
+        """The embedded store runs one statement at a time, each on ``threads`` chDB threads (``bound_threads``)."""
+        self.bound_threads(threads)
+        return 1
 
     def command(self, sql, params=None):
         """Run a statement on the chDB session, one statement at a time."""

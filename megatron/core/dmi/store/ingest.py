@@ -252,6 +252,7 @@ def ingest_spool(
     credited: set[str] | None = None,
     max_batch_bytes: int = 256 << 20,
     streams: int = 1,
+    readers: int | None = None,
     hold: set[str] | frozenset[str] = frozenset(),
     left: set[str] | None = None,
     progress: Callable[[int], None] | None = None,
@@ -270,12 +271,19 @@ def ingest_spool(
     of them are read back, even if its derived rows were not (it then stays for those), and only
     once per id in ``credited`` (pass the same set to every pass). Up to ``streams`` batches are inserted and
     read back at once, each on its own connection (a server's inserts are independent; the embedded store
-    takes them one after the other); each is recorded and retired once it is read back, in the order taken.
+    takes them one after the other), always on threads of their own, so that the next batch's segments are
+    verified meanwhile; each is recorded and retired once it is read back, in the order taken. ``readers``
+    threads (default: ``streams`` or the backend's ``insert_streams``, whichever is more) verify segments
+    ahead, so that verifying keeps up with parallel inserts.
     Segments whose id is in ``hold`` are not taken (they stay in the spool); the ids of the segments this
     pass took and did not load (refused, not read back whole, ingest paused) are added to ``left``.
     """
     if streams < 1:
         raise InvalidArgumentError(f"streams must be >= 1, not {streams}")
+    if readers is None:
+        readers = max(streams, backend.insert_streams)
+    if readers < 1:
+        raise InvalidArgumentError(f"readers must be >= 1, not {readers}")
     if known is None:
         known = known_segment_ids(backend)
     ingest = _IngestPass(
@@ -286,6 +294,7 @@ def ingest_spool(
         credited=set() if credited is None else credited,
         max_batch_bytes=max_batch_bytes,
         streams=streams,
+        readers=readers,
         hold=hold,
     )
     if ingest.too_full():  # not even worth reading the segments
@@ -312,6 +321,7 @@ class _IngestPass:
         credited: set[str],
         max_batch_bytes: int,
         streams: int,
+        readers: int,
         hold: set[str] | frozenset[str],
     ):
         self.backend = backend
@@ -326,7 +336,8 @@ class _IngestPass:
         self.pending_bytes: dict[str, int] = {}
         self.numbering: dict[str, tuple[int, int, set[int]]] = {}  # raw writer -> (first seq, rank, seqs seen)
         self.streams = streams
-        self.inserting: ThreadPoolExecutor | None = None  # the insert streams (None: insert on this thread)
+        self.readers = readers
+        self.inserting: ThreadPoolExecutor | None = None  # the insert streams, while ``run`` runs
         self.in_flight: deque[tuple[str, list[_Pending], pa.Table, Future]] = deque()  # in the order taken
         self.seconds_lock = threading.Lock()  # the streams time their stages too
         self.hold = hold
@@ -346,21 +357,22 @@ class _IngestPass:
     def run(self, segments: list[Segment], progress: Callable[[int], None] | None) -> IngestResult:
         """Take every segment, commit what is still queued, then look for missing raw segments."""
         raw_on_disk = {(s.rank, s.seq) for s in segments if s.raw}  # damaged ones too: those are not missing
-        # A reading thread verifies the next segment while this one is queued and its batch inserted:
-        # reading (pyarrow, zlib) and inserting (chDB, or a server's HTTP request) both release the GIL, so they
-        # overlap. One segment ahead bounds what is held in memory; everything else (skip, queue, commit, settle,
-        # retire) stays here, in order; only the inserts and their read-backs run on the insert streams.
+        # Reading threads verify the next segments while this one is queued and batches are inserted on the
+        # insert streams: reading (pyarrow, zlib) and inserting (chDB, or a server's HTTP request) both release
+        # the GIL, so they overlap. ``readers + 1`` segments ahead bound what is held in memory (raw segments
+        # are memory-mapped); everything else (skip, queue, commit, settle, retire) stays here, in order.
+        window = self.readers + 1
         with (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmi-ingest-read") as reader,
+            ThreadPoolExecutor(max_workers=self.readers, thread_name_prefix="dmi-ingest-read") as reader,
             ThreadPoolExecutor(max_workers=self.streams, thread_name_prefix="dmi-ingest-stream") as streams,
         ):
-            self.inserting = streams if self.streams > 1 else None
-            ahead = reader.submit(self.read_ahead, segments[0]) if segments else None
+            self.inserting = streams
+            ahead = deque(reader.submit(self.read_ahead, s) for s in segments[:window])
             for i, seg in enumerate(segments):
-                current = ahead
-                ahead = reader.submit(self.read_ahead, segments[i + 1]) if i + 1 < len(segments) else None
+                if i + window < len(segments):
+                    ahead.append(reader.submit(self.read_ahead, segments[i + window]))
                 size = seg.size
-                self.take(seg, current)
+                self.take(seg, ahead.popleft())
                 if progress:
                     progress(size)
             for kind in list(self.pending):
@@ -445,9 +457,6 @@ class _IngestPass:
             return
         tables = [p.table for p in batch]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-        if self.inserting is None:
-            self.settle(kind, batch, table, self.insert(kind, table))
-            return
         while len(self.in_flight) >= self.streams:
             self.settle(*self.in_flight.popleft())
         self.in_flight.append((kind, batch, table, self.inserting.submit(self.insert, kind, table)))

@@ -5,6 +5,7 @@ import os
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from megatron.core.dmi.errors import InvalidArgumentError
@@ -84,11 +85,13 @@ def test_a_parquet_segment_that_does_not_verify_is_refused(tmp_path):
     recs = W.moe_records()
     W.write_spool(store, recs, [W.run_info()])
     (seg,) = [s for s in list_segments(os.path.join(store, "spool")) if s.kind == "tensors"]
-    with open(seg.path, "r+b") as f:
-        data = bytearray(f.read())
-        data[bytes(data).index(recs[3].payload) + 1] ^= 0x10  # caught by its page CRC
-        f.seek(0)
-        f.write(data)
+    meta = pq.ParquetFile(seg.path).metadata
+    chunk = meta.row_group(0).column(meta.schema.names.index("iteration"))
+    with open(seg.path, "r+b") as f:  # a key byte, caught by its page CRC (a payload's is its record's CRC)
+        f.seek((chunk.dictionary_page_offset or chunk.data_page_offset) + chunk.total_compressed_size - 1)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
     run = open_spool_run(store)
     with pytest.raises(StoreError, match=f"^spool segment failed verification: {seg.path}: cannot read"):
         run.read_records()

@@ -287,22 +287,43 @@ def test_a_deleted_segment_is_noticed(tmp_path):
     assert any("00000002.dmiraw" in e and "missing" in e for e in out["result"]["errors"])
 
 
-def test_a_flipped_bit_in_a_parquet_segment_is_caught(tmp_path):
-    """Parquet segments carry page CRCs and their row count: a flipped payload byte is a corrupt
-    segment, not a wrong tensor (before: loaded as is)."""
+def _parquet_segment_with_a_flip(tmp_path, find: bytes | None = None, column: str = "") -> str:
+    """A Parquet tensor segment of ``W.moe_records()`` with one bit flipped: in the first copy of ``find``, or in
+    the last byte of ``column``'s pages."""
     spool = str(tmp_path / "spool")
     sink = SpoolSink(RUN, ParallelCoords(rank=0), spool)
     sink.write(W.moe_records())
     sink.close()
     (seg,) = [s for s in list_segments(spool) if s.kind == "tensors"]
-    assert pq.read_schema(seg.path).metadata[b"dmi.rows"] == str(len(W.moe_records())).encode()
-    payload = W.moe_records()[3].payload
+    meta = pq.ParquetFile(seg.path).metadata
+    assert meta.metadata[b"dmi.rows"] == str(len(W.moe_records())).encode() and meta.num_row_groups == 1
+    if column:
+        chunk = meta.row_group(0).column(meta.schema.names.index(column))
+        at = (chunk.dictionary_page_offset or chunk.data_page_offset) + chunk.total_compressed_size - 1
     with open(seg.path, "r+b") as f:
         data = bytearray(f.read())
-        at = bytes(data).index(payload)
-        data[at + 1] ^= 0x10
+        data[at if column else bytes(data).index(find) + 1] ^= 0x10
         f.seek(0)
         f.write(data)
+    return spool
+
+
+def test_a_flipped_payload_bit_in_a_parquet_segment_quarantines_that_record(tmp_path):
+    """A Parquet payload is checked by its record's CRC (not its page's, which would halve the read):
+    a flipped payload byte quarantines that record, the rest load (before 2026-12-07: the whole segment
+    was refused)."""
+    records = W.moe_records()
+    spool = _parquet_segment_with_a_flip(tmp_path, records[3].payload)
+    out = run_isolated(W.ingest_and_count, str(tmp_path / "store"), spool)
+    assert out["result"]["records"] == len(records) - 1 and out["result"]["records_quarantined"] == 1
+    (q,) = out["quarantine"]
+    assert q["row"] == 3 and q["reason"] == "payload CRC mismatch"
+    assert out["result"]["segments_partial"] == 1
+
+
+def test_a_flipped_key_bit_in_a_parquet_segment_refuses_the_segment(tmp_path):
+    """Key columns keep their page CRCs: a flipped byte of a record's key is a corrupt segment, not a wrong key."""
+    spool = _parquet_segment_with_a_flip(tmp_path, column="iteration")
     out = run_isolated(W.ingest_and_count, str(tmp_path / "store"), spool)
     assert out["result"]["segments_corrupt"] == 1 and out["result"]["records"] == 0
     assert any("cannot read" in e for e in out["result"]["errors"]), out["result"]["errors"]

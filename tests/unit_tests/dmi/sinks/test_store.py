@@ -6,6 +6,8 @@ import os
 import shutil
 import socket
 
+import pytest
+
 from megatron.core.dmi.store.schema import SCHEMA_VERSION
 from tests.unit_tests.dmi.isolated import run_isolated, run_parallel
 from tests.unit_tests.dmi.sinks import workers as W
@@ -139,6 +141,53 @@ def test_corrupt_segment_reported_rest_loaded(tmp_path):
     dump = run_isolated(W.dump_store, str(tmp_path), ("tensors",))
     assert dump["_ingest"]["segments_corrupt"] == 1 and len(dump["tensors"]) == len(recs) - 8
     assert bad.exists() and not (d / (tensor_segs[1] + ".corrupt")).exists()
+
+
+def test_several_readers_and_streams_load_every_record_once_in_order(tmp_path):
+    """Reading threads verify segments ahead while batches are inserted on threads of their own: with three
+    readers, two insert streams and batches of a few segments, every record is loaded once, the damaged segment
+    is reported, and the loaded segments leave the spool."""
+    recs = W.moe_records(iterations=range(1, 7))
+    run_isolated(W.write_spool, str(tmp_path), recs, [W.run_info()], 0, 2, 2)  # tensor segments of 2 records
+    d = tmp_path / "spool" / "rank-00000"
+    tensor_segs = sorted(n for n in os.listdir(d) if n[0].isdigit())
+    every_seg = [n for n in os.listdir(d) if n.endswith(".parquet")]  # the run's metadata segments too
+    assert len(tensor_segs) == len(recs) // 2 >= 12
+    bad = d / tensor_segs[5]
+    bad.write_bytes(bad.read_bytes()[:-100])  # truncated: footer gone
+    out = run_isolated(
+        W.ingest_and_count, str(tmp_path / "store"), str(tmp_path / "spool"), readers=3, streams=2, max_batch_bytes=1
+    )
+    r = out["result"]
+    assert r["records"] == len(recs) - 2 and r["segments_corrupt"] == 1 and r["segments_loaded"] == len(every_seg) - 1
+    assert sorted((t["phase"], t["iteration"], t["microbatch"], t["layer"]) for t in out["tensors"]) == sorted(
+        (x.key.phase, x.key.iteration, x.key.microbatch, x.key.layer) for i, x in enumerate(recs) if i // 2 != 5
+    )
+    assert sorted(os.listdir(d)) == sorted(n for n in os.listdir(d) if not n[0].isdigit() or n.endswith(".corrupt"))
+
+
+def test_ingest_refuses_zero_readers_or_streams():
+    from megatron.core.dmi.errors import InvalidArgumentError
+    from megatron.core.dmi.store.ingest import ingest_spool
+
+    for bad in ({"readers": 0}, {"streams": 0}):
+        with pytest.raises(InvalidArgumentError, match=f"{next(iter(bad))} must be >= 1"):
+            ingest_spool(None, "spool", **bad)
+
+
+def test_load_runs_on_the_threads_asked_for_or_the_ingesters_default(tmp_path):
+    from megatron.core.dmi.store.ingester import default_ingest_threads
+
+    recs = W.moe_records()
+    run_isolated(W.write_spool, str(tmp_path / "spooled"), recs, [W.run_info()])
+    spool = str(tmp_path / "spooled" / "spool")
+    got = run_isolated(W.load_on_threads, str(tmp_path / "three"), spool, 3)
+    assert got == {"records": len(recs), "settings": {"max_threads": 3, "max_insert_threads": 3}}
+    n = default_ingest_threads()
+    got = run_isolated(W.load_on_threads, str(tmp_path / "default"), spool, None)
+    assert got == {"records": len(recs), "settings": {"max_threads": n, "max_insert_threads": n}}
+    rc, out = run_isolated(W.load_cli, ["load", spool, "--store", str(tmp_path / "cli"), "--threads", "2"])
+    assert rc == 0 and f"{len(recs)} record(s)" in out, out
 
 
 def test_reingest_collapses_duplicates(tmp_path):

@@ -296,6 +296,20 @@ def set_schema_version(store_dir: str, version: int) -> None:
         b.close()
 
 
+def load_on_threads(store_dir: str, spool: str, threads: int | None) -> dict:
+    """``Store.load`` of ``spool`` into a new embedded store on ``threads``; the records it loaded and the chDB
+    session's thread settings after it."""
+    from megatron.core.dmi.reader import open_store
+
+    os.makedirs(store_dir)
+    with open_store(store_dir, writable=True) as store:
+        r = store.load(spool, threads=threads)
+        settings = store.backend.query_arrow(
+            "SELECT getSetting('max_threads') AS max_threads, getSetting('max_insert_threads') AS max_insert_threads"
+        ).to_pylist()[0]
+    return {"records": r.records, "settings": {k: int(v) for k, v in settings.items()}}
+
+
 def load_cli(argv: list[str]) -> tuple[int, str]:
     """Run the CLI in this process, capturing stdout."""
     import contextlib
@@ -353,14 +367,14 @@ def ingest_while_running(store_dir: str) -> dict:
     return {"emptied": emptied, "loaded_before_close": loaded, "report": dataclasses.asdict(rep)}
 
 
-def ingest_and_count(store_dir: str, spool: str, env: dict | None = None, fault: str = "") -> dict:
+def ingest_and_count(store_dir: str, spool: str, env: dict | None = None, fault: str = "", **ingest_kwargs) -> dict:
     """``ingest_spool`` (deleting what it loads) into the chDB store under ``store_dir``; returns
     its result and, by plain SQL, the stored tensors, quarantine rows and segment rows.
     ``fault`` injects one into the real store: ``lossy_insert``: the tensors table's inserts keep
     every other row and return without error; ``segments_refused``: the store refuses the inserts
     into its segments table (where ingest records a loaded segment) as a full disk would;
     ``stored_then_refused``: the tensors table's inserts store every row, then raise (as chDB did
-    on a nearly full disk)."""
+    on a nearly full disk). ``ingest_kwargs`` go to ``ingest_spool``."""
     from megatron.core.dmi.store.backend import ChdbBackend
     from megatron.core.dmi.store.ingest import ingest_spool
 
@@ -381,7 +395,7 @@ def ingest_and_count(store_dir: str, spool: str, env: dict | None = None, fault:
     b = FaultyStore(os.path.join(store_dir, "chdb"))
     try:
         b.ensure_schema()
-        r = ingest_spool(b, spool, delete=True)
+        r = ingest_spool(b, spool, delete=True, **ingest_kwargs)
         q = lambda sql: b.query_arrow(sql).to_pylist()  # noqa: E731
         return {
             "result": dataclasses.asdict(r),
