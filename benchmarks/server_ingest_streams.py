@@ -10,7 +10,8 @@ process (reading and verifying segments, Arrow encoding, HTTP, read-back) and of
 seconds by stage (``IngestResult.seconds``; insert and read_back summed over the streams), and the machine's
 load average before (the machine is shared: the figures depend on it). With ``--url`` it loads into that
 ClickHouse server instead (its password from ``$DMI_CLICKHOUSE_PASSWORD``; databases ``bench_streams_<n>`` are
-created there, and the server's CPU is not measured): how many streams a node needs, on the training host.
+created there, and the server's CPU is not measured): how many streams a node needs, on the training host (a
+node's ingester makes ``--dmi-ingest-threads`` inserts at once into a server).
 
     python benchmarks/server_ingest_streams.py --total-mb 512 --streams 1 2 4 \
         --json benchmarks/results/server_ingest_streams_<host>.json

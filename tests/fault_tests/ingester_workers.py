@@ -189,10 +189,10 @@ def _sink(
     poll_s: float = 0.2,
     segment_seconds: float = 2.0,
     url: str | None = None,
-    streams: int | None = None,
+    threads: int | None = None,
 ):
     """Local rank 0's StoreSink (its ingester process running) into the embedded store, or the server at ``url``
-    with ``streams`` parallel inserts; the run's metadata written."""
+    with ``threads`` parallel inserts; the run's metadata written."""
     from megatron.core.dmi.sinks import StoreSink
 
     sink = StoreSink(
@@ -205,7 +205,7 @@ def _sink(
         segment_records=per_segment,
         segment_seconds=segment_seconds,
         url=url,
-        ingest_streams=streams,
+        ingest_threads=threads,
     )
     sink.write_run(W.run_info())
     return sink

@@ -37,7 +37,7 @@ from tests.functional_tests.launch import REPO
 from tests.unit_tests.dmi.isolated import run_isolated
 
 PER_SEGMENT = 4  # records per spool segment
-STREAMS = 2
+THREADS = 2  # the ingester's parallel inserts into the server
 
 
 def free_port() -> int:
@@ -78,7 +78,7 @@ def test_a_server_down_at_start_is_retried_and_then_takes_every_record_once(tmp_
     recs = records(range(1, 7))
     half = len(recs) // 2
     try:
-        sink = IW._sink(store, PER_SEGMENT, url=server.url, streams=STREAMS)
+        sink = IW._sink(store, PER_SEGMENT, url=server.url, threads=THREADS)
         ing = sink.ingester
         sink.write(recs[:half])
         sink.flush()
@@ -122,7 +122,7 @@ def test_a_server_dying_or_refusing_mid_run_loses_and_duplicates_nothing(fault, 
     recs = records(range(1, 10))
     third = len(recs) // 3
     with ChdbServer(str(tmp_path / "server")) as server:
-        sink = IW._sink(store, PER_SEGMENT, url=server.url, streams=STREAMS)
+        sink = IW._sink(store, PER_SEGMENT, url=server.url, threads=THREADS)
         ing = sink.ingester
         sink.write(recs[:third])
         sink.flush()
@@ -165,7 +165,7 @@ def test_an_insert_refused_or_acknowledged_and_lost_is_caught_by_the_read_back(f
     recs = records(range(1, 7))
     with ChdbServer(str(tmp_path / "server")) as server:
         server.fault(insert=fault, times=2)
-        sink = IW._sink(store, PER_SEGMENT, url=server.url, streams=STREAMS)
+        sink = IW._sink(store, PER_SEGMENT, url=server.url, threads=THREADS)
         for r in recs:
             sink.write([r])
         rep = dataclasses.asdict(sink.close())
@@ -206,9 +206,9 @@ def test_an_ingester_killed_at_any_point_of_a_pass_into_a_server_loses_and_dupli
     shutil.copytree(template, tmp_path / "case", symlinks=True)
     store = str(tmp_path / "case" / "store")
     with ChdbServer(str(tmp_path / "case" / "server")) as server:
-        # one stream: the kill lands on a known batch (all tensor segments of the pass, under 256 MiB)
+        # one insert at a time: the kill lands on a known batch (all tensor segments of the pass, under 256 MiB)
         rc, out = ingest_cli(
-            store, "--clickhouse-url", server.url, "--streams", "1", env={TEST_CRASH_ENV: f"{point}:tensors"}
+            store, "--clickhouse-url", server.url, "--threads", "1", env={TEST_CRASH_ENV: f"{point}:tensors"}
         )
         assert rc == -signal.SIGKILL, out
         assert "ingested" not in out, out  # it died before its summary

@@ -126,16 +126,6 @@ class SpoolBoundError(ConfigValueError):
     """A spool bound given where no store takes the spool away (``--dmi-persist spool`` or ``none``)."""
 
 
-class IngestTargetError(ConfigValueError):
-    """An ingester setting for the other kind of store: insert streams without a server, chDB threads with one.
-    ``flag`` names the setting given."""
-
-    def __init__(self, flag: str, message: str):
-        """The error of ``flag``, saying ``message``."""
-        super().__init__(message)
-        self.flag = flag
-
-
 def parse_phases(spec: str | Iterable[str]) -> frozenset[str]:
     """The phases captured.
 
@@ -276,12 +266,9 @@ class DMIConfig:
     $DMI_CLICKHOUSE_PASSWORD or --dmi-clickhouse-password-file"""
 
     ingest_threads: int | None = _parsed(None, positive_int)
-    """chDB threads of the node's ingester process, which are also the parallel streams of each insert of 128 MiB
-    or more (default: a quarter of the cores, 1 to 4)"""
-
-    ingest_streams: int | None = _parsed(None, positive_int)
-    """parallel inserts of the node's ingester process into the server of --dmi-clickhouse-url, each read back
-    (default: a quarter of the cores, 1 to 4; docs/storage.md)"""
+    """threads of the node's ingester process: the embedded store's chDB threads, which are also the parallel
+    streams of each insert of 128 MiB or more, or with --dmi-clickhouse-url that many parallel inserts into the
+    server, each read back (default: a quarter of the cores, 1 to 4; docs/storage.md)"""
 
     ingest_nice: int = _parsed(10, nice_increment)
     """how much lower the ingester process's CPU priority is than the training's (0-19)"""
@@ -360,18 +347,6 @@ class DMIConfig:
             raise SpoolBoundError(
                 f"bounds the spool that a store takes away, and --dmi-persist {self.persist} has none "
                 "(a spool-only run keeps every segment by design)"
-            )
-        if self.ingest_streams is not None and not self.clickhouse_url:
-            raise IngestTargetError(
-                "--dmi-ingest-streams",
-                "sets the parallel inserts into a ClickHouse server (--dmi-clickhouse-url); the embedded store's "
-                "ingester inserts through one chDB session (--dmi-ingest-threads sets its threads)",
-            )
-        if self.ingest_threads is not None and self.clickhouse_url:
-            raise IngestTargetError(
-                "--dmi-ingest-threads",
-                "sets the embedded store's chDB threads; into a ClickHouse server (--dmi-clickhouse-url) the "
-                "ingester's parallel inserts are --dmi-ingest-streams",
             )
 
     @property

@@ -22,7 +22,7 @@ from typing import NoReturn
 from megatron.training.argument_utils import ArgumentGroupFactory
 
 from megatron.core.dmi.catalog import ModelShape, UnsupportedUnderGraphsError, check_graph_support, record_bytes
-from megatron.core.dmi.config import CaptureWindowError, DMIConfig, IngestTargetError, SpoolBoundError
+from megatron.core.dmi.config import CaptureWindowError, DMIConfig, SpoolBoundError
 from megatron.core.dmi.hooks import groups
 from megatron.core.dmi.hooks.groups.base import ModelFacts
 from megatron.core.dmi.store_address import PASSWORD_ENV, parse_store_run
@@ -130,8 +130,6 @@ def config_from_args(args: argparse.Namespace) -> DMIConfig:
         refuse("--dmi-end-iter", str(exc))
     except SpoolBoundError as exc:
         refuse("--dmi-spool-max-gb", str(exc))
-    except IngestTargetError as exc:
-        refuse(exc.flag, str(exc))
 
 
 class FlagRefusal(SystemExit):

@@ -55,9 +55,7 @@ def test_layer_selection():
         ({"clickhouse_url": "http://u:p@h:1"}, "put the password in $DMI_CLICKHOUSE_PASSWORD"),
         ({"clickhouse_database": "system"}, "database name 'system' is reserved by ClickHouse"),
         ({"start_iter": 5, "end_iter": 3}, "3 is before --dmi-start-iter 5"),
-        ({"ingest_streams": 0, "clickhouse_url": "http://h:1"}, "expected a positive integer, got 0"),
-        ({"ingest_streams": 2}, "sets the parallel inserts into a ClickHouse server (--dmi-clickhouse-url)"),
-        ({"ingest_threads": 2, "clickhouse_url": "http://h:1"}, "sets the embedded store's chDB threads"),
+        ({"ingest_threads": 0, "clickhouse_url": "http://h:1"}, "expected a positive integer, got 0"),
     ],
 )
 def test_bad_values_are_refused_by_the_config_itself(values, message):

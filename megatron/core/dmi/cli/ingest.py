@@ -6,7 +6,7 @@ what a run left in the spool of a server store:
 
     megatron-dmi ingest dmi_store --follow      # until Ctrl-C or SIGTERM, then a final pass
     megatron-dmi ingest dmi_store               # one pass, then exit
-    megatron-dmi ingest dmi_store --clickhouse-url http://ch:8123 --streams 4   # into a server
+    megatron-dmi ingest dmi_store --clickhouse-url http://ch:8123 --threads 4   # into a server, 4 inserts at once
 """
 
 from __future__ import annotations
@@ -26,12 +26,6 @@ def cmd_ingest(args) -> int:
     if not os.path.isdir(args.store):
         print(f"error: no DMI store directory at {args.store}", file=sys.stderr)
         return 2
-    if args.clickhouse_url and args.threads:
-        print("error: --threads sets the embedded store's chDB threads; into a server, use --streams", file=sys.stderr)
-        return 2
-    if args.streams and not args.clickhouse_url:
-        print("error: --streams is for a ClickHouse server (--clickhouse-url); use --threads", file=sys.stderr)
-        return 2
     by_hand = args.control is None
     rc = serve(
         args.store,
@@ -42,7 +36,6 @@ def cmd_ingest(args) -> int:
         nice=args.nice,
         codec=args.codec,
         url=args.clickhouse_url,
-        streams=args.streams,
         control=sys.stdin if args.control == "stdin" else None,
         out=None if by_hand else sys.stdout,
         interrupt_finishes=by_hand,
@@ -93,16 +86,11 @@ def _setup_ingest(p):
         "(password: $DMI_CLICKHOUSE_PASSWORD or $DMI_CLICKHOUSE_PASSWORD_FILE)",
     )
     p.add_argument(
-        "--streams",
-        type=argparse_type(positive_int),
-        default=None,
-        help="parallel inserts into the server (default: a quarter of the cores, 1-4)",
-    )
-    p.add_argument(
         "--threads",
         type=argparse_type(positive_int),
         default=None,
-        help="chDB threads of the embedded store (default: a quarter of the cores, 1-4)",
+        help="the embedded store's chDB threads (also each insert's streams), or with --clickhouse-url that many "
+        "parallel inserts into the server (default: a quarter of the cores, 1-4)",
     )
     p.add_argument(
         "--nice",

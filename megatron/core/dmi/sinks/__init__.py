@@ -6,7 +6,7 @@
 - ``--dmi-persist spool``: SpoolSink (per-rank segments under ``<store_dir>/spool``)
 - ``--dmi-persist clickhouse``: StoreSink (every rank spools; the node's ingester process loads
   all ranks into the embedded chDB store ``<store_dir>/chdb``, or with ``--dmi-clickhouse-url``
-  into that server, with ``--dmi-ingest-streams`` parallel inserts)
+  into that server; ``--dmi-ingest-threads``: chDB's threads, or parallel inserts into the server)
 
 Sinks write through the store package (``megatron.core.dmi.store``: schema, backends, segment
 formats, ingest); see docs/storage.md for the tables and the multi-rank design.
@@ -54,7 +54,6 @@ def open_sink(config: DMIConfig, coords: ParallelCoords, run_id: str, is_ingeste
         codec=config.store_codec,
         url=config.clickhouse_url,
         password=resolve_password(config.clickhouse_password) if config.clickhouse_url else None,
-        ingest_streams=config.ingest_streams,
         spool_max_bytes=config.spool_max_bytes,
     )
 

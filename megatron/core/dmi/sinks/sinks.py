@@ -389,13 +389,12 @@ class StoreSink(SpoolSink):
         codec: str | None = None,
         url: str | None = None,
         password: str | None = None,
-        ingest_streams: int | None = None,
         **kw,
     ):
         """Spool under ``<store_dir>/spool``; on the node's ingesting rank (``is_ingester``) also start the
         ingester process (a pass every ``ingest_poll_s`` s or when a segment closes, at ``ingest_nice`` lower CPU
         priority) into the embedded store with ``ingest_threads`` chDB threads or, with ``url``, into that server
-        with ``ingest_streams`` parallel inserts (``password``: the server's); a store it creates gets payload
+        with ``ingest_threads`` parallel inserts (``password``: the server's); a store it creates gets payload
         codec ``codec``."""
         self.name = "clickhouse" if url else "chdb"
         super().__init__(run_id, coords, os.path.join(store_dir, "spool"), **kw)
@@ -413,7 +412,6 @@ class StoreSink(SpoolSink):
                 codec=codec,
                 url=url,
                 password=password,
-                streams=ingest_streams,
             ).start()
 
     def _emit_records(self, table, n, nbytes):

@@ -1,6 +1,6 @@
 """The per-node ingester, a process of its own: training processes only spool, and this process
 loads every rank's closed spool segments into the store: the embedded chDB store, which it owns, or
-a ClickHouse server (``--clickhouse-url``), into which it inserts with several streams.
+a ClickHouse server (``--clickhouse-url``), into which it makes several inserts at once.
 
 Two ends:
 
@@ -14,7 +14,7 @@ Two ends:
   status: one JSON line on stdout (for the training process that started it) and
   ``<store>/ingester.json`` (for anyone else: ``watch``, a later run on the same store).
 * ``IngesterProcess`` runs in local rank 0's training process. It starts the ingester at a lower
-  CPU priority with a bounded number of chDB threads (or insert streams into a server), wakes it
+  CPU priority with a bounded number of threads (chDB's, or parallel inserts into a server), wakes it
   when a segment closes, keeps its latest status, restarts it when it dies, and at the end asks for
   the final pass and waits.
 
@@ -64,15 +64,9 @@ CLOSING_TRIES = 3  # passes a closing sync gives segments that a pass left in th
 
 
 def default_ingest_threads() -> int:
-    """The ingester's chDB threads: a quarter of the cores, 1 to 4 (the training keeps the rest)."""
+    """The ingester's threads (the embedded store's chDB threads, or parallel inserts into a server): a quarter of
+    the cores, 1 to 4. Each keeps about one of the ingester's cores busy, and the training keeps the rest."""
     return max(1, min(4, (os.cpu_count() or 1) // 4))
-
-
-def default_ingest_streams() -> int:
-    """The ingester's insert streams into a server: a quarter of the cores, 1 to 4, as its chDB threads. Each
-    stream keeps about one of the ingester's cores busy (reading and verifying segments, encoding Arrow, the
-    HTTP request, the read-back), and the training keeps the rest of the node's cores."""
-    return default_ingest_threads()
 
 
 class IngesterError(DMIError, RuntimeError):
@@ -178,13 +172,10 @@ class _Service:
     """The store-owning side of ``serve``: the backend, the segment ids it knows, and its status. For a server:
     whether it is reachable, and when to try it again."""
 
-    def __init__(
-        self, store_dir: str, database: str, threads: int, codec: str | None, url: str | None = None, streams: int = 1
-    ):
+    def __init__(self, store_dir: str, database: str, threads: int, codec: str | None, url: str | None = None):
         self.store_dir = store_dir
         self.spool_root = os.path.join(store_dir, "spool")
         self.codec = codec
-        self.streams = streams
         self.url = url
         self.result = IngestResult()
         self.known: set[str] = set()
@@ -198,16 +189,18 @@ class _Service:
         self.held: set[str] = set()  # ids left by the closing sync, which later passes leave alone
         self._lock_fd: int | None = None
         self.backend: Backend
+        self.streams: int  # batches ``ingest_spool`` inserts at once (``Backend.use_threads``)
         if url:
             self._lock_fd = _lock_spool(store_dir)  # StoreBusyError: stand down
             self.backend = ServerBackend(url, database)  # the password: $DMI_CLICKHOUSE_PASSWORD (from the supervisor)
+            self.streams = self.backend.use_threads(threads)  # parallel inserts, each its own request
             self.connect()  # an unreachable server is retried at the next passes
         else:
             self.backend = ChdbBackend(os.path.join(store_dir, "chdb"), database)  # StoreBusyError: stand down
             try:
                 self.backend.ensure_schema(codec)  # a new store's payload codec; an existing one keeps its own
                 # chDB's query and insert pools, and the streams of each insert: the training keeps the other cores
-                self.backend.bound_threads(threads)
+                self.streams = self.backend.use_threads(threads)
                 self.known = known_segment_ids(self.backend)
             except BaseException:
                 self.backend.close()
@@ -391,15 +384,14 @@ def serve(
     nice: int = 0,
     codec: str | None = None,
     url: str | None = None,
-    streams: int | None = None,
     control=None,
     out=None,
     interrupt_finishes: bool = False,
 ) -> int:
     """The ingester process's main loop (see the module's docstring); returns its exit status: 0, or
     ``EXIT_STANDING_DOWN`` when another process holds the store. ``url``: the ClickHouse server to load the
-    spool into (None: the embedded store under ``store_dir``; ``threads``: its chDB threads), with ``streams``
-    parallel inserts (None: ``default_ingest_streams()``); ``control``: the stream of ``wake`` / ``sync <n>`` /
+    spool into, with ``threads`` parallel inserts (None: the embedded store under ``store_dir``, with ``threads``
+    chDB threads; ``threads`` None: ``default_ingest_threads()``); ``control``: the stream of ``wake`` / ``sync <n>`` /
     ``final`` lines (None: poll only); ``out``: where status lines go (None: the status file only);
     ``codec``: the payload codec of a store created now (``schema.PAYLOAD_CODECS``; None: the default);
     ``interrupt_finishes``: Ctrl-C ends ``follow`` with a final pass (by hand) instead of being ignored
@@ -414,9 +406,7 @@ def serve(
     signal.signal(signal.SIGTERM, finish)
     signal.signal(signal.SIGINT, finish if interrupt_finishes else signal.SIG_IGN)
     try:
-        svc = _Service(
-            store_dir, database, threads or default_ingest_threads(), codec, url, streams or default_ingest_streams()
-        )
+        svc = _Service(store_dir, database, threads or default_ingest_threads(), codec, url)
     except StoreBusyError as e:
         standing = IngesterStatus(os.getpid(), socket.gethostname(), "standing down", False, time.time(), str(e))
         if out is not None:
@@ -480,12 +470,11 @@ class IngesterProcess:
         codec: str | None = None,
         url: str | None = None,
         password: str | None = None,
-        streams: int | None = None,
     ):
         """An ingester of the spool under ``store_dir`` (``start`` launches it): a pass every ``poll_s``
         seconds or when woken, at CPU priority ``nice`` (added to ours), into the embedded store under
         ``store_dir`` with ``threads`` chDB threads or, with ``url``, into that ClickHouse server with
-        ``streams`` parallel inserts (its ``password`` reaches the process in its environment, never its
+        ``threads`` parallel inserts (None: ``default_ingest_threads()``; its ``password`` reaches the process in its environment, never its
         arguments); a store it creates gets payload codec ``codec`` (None: the default)."""
         self.store_dir = store_dir
         self.database = database
@@ -493,7 +482,6 @@ class IngesterProcess:
         self.threads = threads or default_ingest_threads()
         self.url = url
         self.password = password
-        self.streams = streams or default_ingest_streams()
         self.nice = nice
         self.codec = codec
         self.restarts = 0
@@ -529,11 +517,7 @@ class IngesterProcess:
             "--nice",
             str(self.nice),
         ]
-        cmd += (
-            ["--clickhouse-url", self.url, "--streams", str(self.streams)]
-            if self.url
-            else ["--threads", str(self.threads)]
-        )
+        cmd += ["--threads", str(self.threads)] + (["--clickhouse-url", self.url] if self.url else [])
         cmd += ["--codec", self.codec] if self.codec else []
         # --control: status lines on stdout (a one-pass ingester's too: what it loads joins the report)
         cmd += ["--control", "stdin"] + (["--follow"] if follow else [])

@@ -65,6 +65,39 @@ def test_ingest_checks_its_values_as_the_training_flags_do_without_torch(tmp_pat
         assert r.returncode == 2 and f"argument {flag}: {refused.value}" in r.stderr, r.stderr
 
 
+def test_the_ingesters_threads_are_chdbs_threads_or_parallel_inserts_into_a_server(tmp_path):
+    """One number, ``--threads`` (``--dmi-ingest-threads``): the embedded store inserts one batch at a time on that
+    many chDB threads, each insert that many streams; a server gets that many inserts at once."""
+    got = run_isolated(_inserts_and_streams, str(tmp_path / "store"), 3)
+    assert got == {"embedded": (1, 3), "server": 3}
+    os.makedirs(tmp_path / "store", exist_ok=True)
+    r = _ingest(str(tmp_path / "store"), "--clickhouse-url", "http://127.0.0.1:1", "--streams", "2")
+    assert r.returncode == 2 and "unrecognized arguments: --streams 2" in r.stderr, r.stderr
+
+
+def _inserts_and_streams(store_dir: str, threads: int) -> dict:
+    """The batches each ingester inserts at once given ``threads``, and for the embedded store the streams of
+    each insert; the server's URL is a port nobody listens on (the ingester retries it later)."""
+    import socket
+
+    from megatron.core.dmi.store.ingester import _Service
+
+    os.makedirs(store_dir)
+    svc = _Service(store_dir, "dmi", threads, None)
+    try:
+        embedded = (svc.streams, svc.backend.insert_streams)
+    finally:
+        svc.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    svc = _Service(store_dir, "dmi", threads, None, f"http://127.0.0.1:{port}")
+    try:
+        return {"embedded": embedded, "server": svc.streams}
+    finally:
+        svc.close()
+
+
 def test_ingest_refuses_a_poll_interval_that_is_not_above_zero(tmp_path):
     d = str(tmp_path / "store")
     os.makedirs(d)

@@ -66,7 +66,7 @@ GIVEN = {
     "clickhouse_url": ("https://reader@db.example:8443", "https://reader@db.example:8443"),
     "clickhouse_database": ("runs_2", "runs_2"),
     "store_codec": ("zstd1", "zstd1"),
-    "ingest_streams": ("3", 3),
+    "ingest_threads": ("3", 3),
     "ingest_nice": ("5", 5),
     "interval": ("3", 3),
     "start_iter": ("2", 2),
@@ -84,9 +84,8 @@ GIVEN = {
     "replay_routing": ("/data/dmi@run-1", "/data/dmi@run-1"),
     "replay_missing": ("live", "live"),
 }
-# Flags whose given value cannot go with GIVEN's (the spool bound needs the default --dmi-persist, the chDB
-# threads the embedded store).
-GIVEN_ALONE = {"spool_max_gb": ("2.5", 2.5), "ingest_threads": ("2", 2)}
+# Flags whose given value cannot go with GIVEN's (the spool bound needs the default --dmi-persist).
+GIVEN_ALONE = {"spool_max_gb": ("2.5", 2.5)}
 
 
 def test_every_flag_round_trips_into_the_config(monkeypatch):
@@ -193,22 +192,6 @@ def test_a_spool_bound_without_a_store_stops_with_the_bound_flag_named():
     )
 
 
-@pytest.mark.parametrize(
-    "argv,flag",
-    [
-        (["--dmi-ingest-streams", "2"], "--dmi-ingest-streams"),
-        (["--dmi-clickhouse-url", "http://h:8123", "--dmi-ingest-threads", "2"], "--dmi-ingest-threads"),
-    ],
-)
-def test_an_ingester_setting_for_the_other_kind_of_store_stops_with_its_flag_named(argv, flag, monkeypatch):
-    monkeypatch.delenv("DMI_CLICKHOUSE_PASSWORD", raising=False)
-    ns = _parser().parse_args(argv)
-    ns.save = None
-    with pytest.raises(SystemExit) as e:
-        config_from_args(ns)
-    assert str(e.value.code).startswith(f"error: argument {flag}: sets the "), e.value.code
-
-
 def _megatron_args(*extra: str) -> argparse.Namespace:
     """Megatron's own parse of the tiny MoE model's arguments plus ``extra``, with the DMI group."""
     from megatron.training.arguments import parse_args
@@ -223,6 +206,17 @@ def _exit_message(check, args) -> str:
     with pytest.raises(SystemExit) as e:
         check(args)
     return str(e.value.code)
+
+
+@pytest.mark.parametrize("target", [(), ("--dmi-clickhouse-url", "http://h:8123")])
+def test_the_ingesters_threads_are_one_flag_for_either_store(target, monkeypatch):
+    monkeypatch.delenv("DMI_CLICKHOUSE_PASSWORD", raising=False)
+    assert config_from_args(_megatron_args(*target, "--dmi-ingest-threads", "2")).ingest_threads == 2
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as e, contextlib.redirect_stderr(err):
+        _megatron_args(*target, "--dmi-ingest-streams", "2")  # folded into --dmi-ingest-threads
+    assert e.value.code == 2
+    assert err.getvalue().strip().splitlines()[-1].endswith("error: unrecognized arguments: --dmi-ingest-streams 2")
 
 
 # resid.in of the tiny model: [32, 2, 64] per microbatch, 8,192 bytes in bf16 and 16,384 in fp32; the
