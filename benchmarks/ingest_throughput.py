@@ -44,7 +44,7 @@ schema (``ensure_schema(payload_codec=...)``) with ``max_batch_bytes`` = ``--ing
 of payload, the pass's seconds by stage (``IngestResult.seconds``: verify = waiting for segments to be
 read and every CRC checked, insert, read_back, record) and the read-back's share of the pass (the
 ingester's budget: <= 5 %). ``--ingest-streams``: the ingester's chDB threads, which are also the
-streams of each insert (``ChdbBackend.bound_threads``, ``--dmi-ingest-threads``); ``--ingest-merges off``
+streams of each insert (``ChdbBackend.use_threads``, ``--dmi-ingest-threads``); ``--ingest-merges off``
 stops the store's background merges (the pass alone). ``--read-ahead off``
 leaves the pass's reading threads idle, so each segment is verified in turn (as before they existed). It
 also times verifying every segment on one thread alone (``verify_alone_s``, the "alone" column).
@@ -335,7 +335,7 @@ def measure_ingest(
 ) -> dict:
     """Spool ``total_mb`` of ``record_kb`` records (untimed) as ``segment_format`` segments, then one timed
     ``ingest_spool`` pass into a fresh store whose backend runs ``streams`` chDB threads (the ingester's
-    ``bound_threads``); ``merges="off"`` stops the store's background merges (the pass alone)."""
+    ``use_threads``); ``merges="off"`` stops the store's background merges (the pass alone)."""
     from persist_throughput import make_records  # the same records as the persistence benchmark
 
     from megatron.core.dmi.key import ParallelCoords
@@ -380,7 +380,7 @@ def measure_ingest(
     load = load_average()
     try:
         backend.ensure_schema(payload_codec=codec)
-        backend.bound_threads(streams)
+        backend.use_threads(streams)
         if merges == "off":
             for table in S.TABLES:
                 backend.command(f"SYSTEM STOP MERGES {backend.t(table)}")

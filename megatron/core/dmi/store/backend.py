@@ -64,7 +64,7 @@ class Backend(ABC):
     database: str
     description: str
     payload_codec: str | None = None  # the store's payload codec, known once ensure_schema ran
-    insert_streams: int = 1  # pipelines one large insert runs side by side (the embedded store's ``bound_threads``)
+    insert_streams: int = 1  # pipelines one large insert runs side by side (the embedded store's ``use_threads``)
 
     @abstractmethod
     def command(self, sql: str, params: dict[str, Any] | None = None) -> None:
@@ -311,18 +311,13 @@ class ChdbBackend(Backend):
             self._session = entry[0]
         self._closed = False
         self._lock = threading.Lock()  # one statement at a time (streaming inserts block the session)
-        self.insert_streams = 1  # pipelines a large insert runs side by side (``bound_threads``)
 
-    def bound_threads(self, threads: int) -> None:
-        """Run every query on at most ``threads`` chDB threads, and insert a large batch as that many streams
-        (``insert_streams``)."""
+    def use_threads(self, threads: int) -> int:
+        """Run every query on at most ``threads`` chDB threads and insert a large batch as that many streams
+        (``insert_streams``); the session runs one statement at a time, so ``ingest_spool`` inserts one batch at once."""
         self.command(f"SET max_threads = {int(threads)}")
         self.command(f"SET max_insert_threads = {int(threads)}")
         self.insert_streams = int(threads)
-
-    def use_threads(self, threads: int) -> int:
-        """The embedded store runs one statement at a time, each on ``threads`` chDB threads (``bound_threads``)."""
-        self.bound_threads(threads)
         return 1
 
     def command(self, sql, params=None):

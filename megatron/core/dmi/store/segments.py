@@ -176,11 +176,13 @@ def _read_parquet(path: str, payload_pages: bool) -> pa.Table:
     which the caller checks record by record (the page CRCs halve the read's speed)."""
     if payload_pages:
         return pq.read_table(path, page_checksum_verification=True)
-    names = pq.ParquetFile(path).schema_arrow.names
-    if "payload" not in names:  # the schema check refuses it
-        return pq.read_table(path, page_checksum_verification=True)
-    rest = pq.read_table(path, columns=[n for n in names if n != "payload"], page_checksum_verification=True)
-    payload = pq.read_table(path, columns=["payload"], page_checksum_verification=False).column("payload")
+    with pq.ParquetFile(path, page_checksum_verification=True) as checked:
+        names = checked.schema_arrow.names
+        if "payload" not in names:  # the schema check refuses it
+            return checked.read()
+        rest = checked.read(columns=[n for n in names if n != "payload"])
+    with pq.ParquetFile(path) as unchecked:
+        payload = unchecked.read(columns=["payload"]).column("payload")
     return rest.add_column(names.index("payload"), "payload", payload)
 
 

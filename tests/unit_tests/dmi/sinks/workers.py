@@ -469,7 +469,7 @@ def insert_in_streams(store_dir: str, streams: int) -> dict:
     b = B.ChdbBackend(os.path.join(store_dir, "chdb"))
     try:
         b.ensure_schema()
-        b.bound_threads(streams)
+        b.use_threads(streams)
         b.command("SYSTEM STOP MERGES dmi.tensors")
         b.insert_arrow("tensors", table)
         parts = b.query_arrow(
