@@ -14,7 +14,8 @@ TINY = ["--device", "cpu", "--layers", "2", "--hidden", "64", "--heads", "4", "-
 
 def _run(script: str, *args: str) -> None:
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmarks", script), *TINY, *args],
+        # faulthandler: a crash of the native ring or its drain thread leaves every thread's Python stack
+        [sys.executable, "-X", "faulthandler", os.path.join(REPO, "benchmarks", script), *TINY, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
